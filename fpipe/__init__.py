@@ -1,0 +1,20 @@
+"""fpipe: pipeline-parallel training for PyTorch, in the functional style of ``torch.func``.
+
+Stages are pure functions ``stage(params, x) -> y`` with explicit parameter pytrees, a schedule
+is a value that compiles to a program of per-worker actions, and a driver interprets the
+program::
+
+    pipe = fpipe.pipeline(stages, params, schedule=fpipe.gpipe(chunks=8), loss_fn=loss_fn)
+    loss, grads = pipe.value_and_grad(x, target)
+"""
+
+from fpipe.errors import BatchError, PlacementError, StageError
+from fpipe.pipeline import Pipeline, pipeline
+from fpipe.schedules import Action, Op, Program, ScheduleError, gpipe, one_f_one_b, validate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "pipeline", "Pipeline", "gpipe", "one_f_one_b", "Program", "Action", "Op", "validate",
+    "ScheduleError", "StageError", "BatchError", "PlacementError",
+]

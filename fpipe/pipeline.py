@@ -1,0 +1,221 @@
+"""``fpipe.pipeline``: bind stages, parameters, devices, a schedule and a loss into a Pipeline.
+
+Everything is checked here, before any work runs: stage and parameter counts, where every
+parameter lives, and the schedule's program (validated once for training and once for
+inference). A step then splits the batch, hands the micro-batches to the driver and folds the
+results back into the caller's pytrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from fpipe import microbatch
+from fpipe.autodiff import flatten
+from fpipe.driver import LocalDriver
+from fpipe.errors import BatchError, PlacementError
+from fpipe.schedules.actions import Program
+from fpipe.schedules.validate import validate
+
+__all__ = ["pipeline", "Pipeline"]
+
+Stage = Callable[[Any, Any], Any]
+
+
+def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+             devices: Sequence[torch.device | str] | None = None) -> Pipeline:
+    """Build a :class:`Pipeline`.
+
+    Args:
+        stages: pure functions ``stage(params_i, x) -> y``, one per stage.
+        params: one pytree of tensors per stage. Each stage runs on the device of its
+            parameters; they are never copied or moved.
+        schedule: a schedule value such as ``gpipe(chunks=8)`` or ``one_f_one_b(chunks=8)``,
+            or anything with a ``program(n_stages) -> Program`` method (a ``Program`` itself).
+        loss_fn: ``loss_fn(y, target) -> scalar``, the mean loss over a micro-batch's samples;
+            needed for :meth:`Pipeline.value_and_grad`.
+        devices: the device of each stage. Without it, a stage's device is that of its
+            parameters (a stage without parameters takes its neighbour's, or the CPU).
+    """
+    return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices)
+
+
+class Pipeline:
+    """Stages, parameters and a schedule, ready to run.
+
+    ``pipe(x)`` runs the forward only (inference, no graph kept) and returns the last stage's
+    output for the whole batch. ``pipe.value_and_grad(x, target)`` returns the mean loss over the
+    batch and gradients shaped like ``params``. Both take ``params=`` to run the same pipeline
+    with other parameters of the same structure, e.g. after an optimiser step.
+
+    Worker threads are started on the first multi-worker step and kept; ``close()`` (or a
+    ``with`` block) stops them, as does garbage collection of the pipeline.
+    """
+
+    def __init__(self, stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
+                 loss_fn: Callable | None = None,
+                 devices: Sequence[torch.device | str] | None = None) -> None:
+        stages, params = list(stages), list(params)
+        if not stages:
+            raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
+        if len(params) != len(stages):
+            raise ValueError(f"got {len(stages)} stages but {len(params)} parameter pytrees: "
+                             f"give one pytree per stage (an empty dict for a stage without "
+                             f"parameters)")
+        for s, stage in enumerate(stages):
+            if not callable(stage):
+                raise TypeError(f"stage {s} is a {type(stage).__name__}, not a callable "
+                                f"stage(params, x) -> y")
+        if devices is not None and len(devices) != len(stages):
+            raise ValueError(f"got {len(stages)} stages but {len(devices)} devices")
+        if not hasattr(schedule, "program"):
+            raise TypeError(f"schedule must be a schedule value such as gpipe(chunks=8) or a "
+                            f"Program, got {type(schedule).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+
+        self.stages = tuple(stages)
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.devices = _stage_devices(params, devices)
+        self.params = params
+        self.param_specs = tuple(optree.tree_structure(p) for p in params)
+        self._check_params(params)
+
+        program = schedule.program(len(stages))
+        if not isinstance(program, Program) or program.n_stages != len(stages):
+            raise TypeError(f"schedule.program({len(stages)}) must return a Program for "
+                            f"{len(stages)} stages, got {program!r}")
+        self.program = validate(program)
+        self.inference_program = validate(program.forward_only(), training=False)
+        self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
+                                   program.n_workers, loss_fn)
+
+    @property
+    def chunks(self) -> int:
+        return self.program.n_microbatches
+
+    def __call__(self, x: Any, *, params: Sequence[Any] | None = None) -> Any:
+        leaves = self._param_leaves(params)
+        inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
+        n = microbatch.batch_size(x)
+        outputs = self._driver.infer(self.inference_program, leaves,
+                                     [flatten(mb) for mb in inputs],
+                                     microbatch.sizes(n, self.chunks))
+        return microbatch.join(outputs)
+
+    def value_and_grad(self, x: Any, target: Any = None, *,
+                       params: Sequence[Any] | None = None) -> tuple[torch.Tensor, list]:
+        """The mean loss over the batch and its gradient with respect to every stage's
+        parameters, as a list of pytrees shaped like ``params``."""
+        if self.loss_fn is None:
+            raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
+        leaves = self._param_leaves(params)
+        n = microbatch.batch_size(x, "input")
+        inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
+        if target is None:
+            targets = [None] * self.chunks
+        else:
+            m = microbatch.batch_size(target, "target")
+            if m != n:
+                raise BatchError(f"the input has {n} samples but the target has {m}")
+            targets = microbatch.split(self._to(target, self.devices[-1]), self.chunks, "target")
+        sizes = microbatch.sizes(n, self.chunks)
+        result = self._driver.train(self.program, leaves, [flatten(mb) for mb in inputs],
+                                    targets, [size / n for size in sizes], sizes)
+        loss = torch.stack(result.losses).sum()
+        grads = [optree.tree_unflatten(spec, g)
+                 for spec, g in zip(self.param_specs, result.grads)]
+        return loss, grads
+
+    def close(self) -> None:
+        """Stop the worker threads (a later step starts them again)."""
+        self._driver.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Pipeline({len(self.stages)} stages on {[str(d) for d in self.devices]}, "
+                f"schedule={self.schedule!r})")
+
+    def _param_leaves(self, params: Sequence[Any] | None) -> list[list[torch.Tensor]]:
+        if params is None:
+            params = self.params
+        else:
+            params = list(params)
+            if len(params) != len(self.stages):
+                raise ValueError(f"got {len(params)} parameter pytrees for "
+                                 f"{len(self.stages)} stages")
+            for s, (tree, spec) in enumerate(zip(params, self.param_specs)):
+                if optree.tree_structure(tree) != spec:
+                    raise ValueError(f"params[{s}] has structure {optree.tree_structure(tree)}, "
+                                     f"but the pipeline was built with {spec}")
+            self._check_params(params)
+        return [[leaf.detach() if leaf.requires_grad else leaf for leaf in optree.tree_leaves(p)]
+                for p in params]
+
+    def _check_params(self, params: Sequence[Any]) -> None:
+        for s, tree in enumerate(params):
+            paths, leaves, _ = optree.tree_flatten_with_path(tree)
+            for path, leaf in zip(paths, leaves):
+                if not isinstance(leaf, torch.Tensor):
+                    raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
+                                    f"not a tensor: parameter leaves must be tensors")
+                if _device(leaf.device) != self.devices[s]:
+                    raise PlacementError(
+                        f"stage {s} runs on {self.devices[s]} but its parameter "
+                        f"params[{s}]{_path(path)} is on {leaf.device}; fpipe never moves "
+                        f"parameters: place them on the stage's device first"
+                    )
+
+    @staticmethod
+    def _to(tree: Any, device: torch.device) -> Any:
+        return optree.tree_map(
+            lambda leaf: leaf.to(device, non_blocking=True)
+            if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+
+def _path(path: tuple) -> str:
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def _device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _stage_devices(params: list, devices: Sequence | None) -> tuple[torch.device, ...]:
+    """Each stage's device: as given, or the one device all its parameters share."""
+    if devices is not None:
+        return tuple(_device(d) for d in devices)
+    found: list[torch.device | None] = []
+    for s, tree in enumerate(params):
+        paths, leaves, _ = optree.tree_flatten_with_path(tree)
+        seen: dict[torch.device, str] = {}
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor):
+                seen.setdefault(_device(leaf.device), f"params[{s}]{_path(path)}")
+        if len(seen) > 1:
+            listed = ", ".join(f"{where} on {device}" for device, where in seen.items())
+            raise PlacementError(f"stage {s}'s parameters are on several devices ({listed}); "
+                                 f"a stage runs on one device")
+        found.append(next(iter(seen), None))
+    # A stage without parameters runs where its neighbour does (the previous one first).
+    placed = [d for d in found if d is not None]
+    fallback = placed[0] if placed else torch.device("cpu")
+    result = []
+    for d in found:
+        fallback = d if d is not None else fallback
+        result.append(fallback)
+    return tuple(result)

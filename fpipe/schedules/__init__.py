@@ -1,0 +1,17 @@
+"""Schedules as values: programs of per-worker actions, checked and simulated before running.
+
+Nothing here knows about tensors: a schedule compiles to a :class:`Program`, which can be
+printed, validated, transformed (rematerialisation) and simulated on its own.
+"""
+
+from fpipe.schedules.actions import Action, Op, Program
+from fpipe.schedules.gpipe import GPipe, gpipe
+from fpipe.schedules.one_f_one_b import OneFOneB, one_f_one_b
+from fpipe.schedules.remat import apply_remat, normalize_remat
+from fpipe.schedules.simulate import Costs, Simulation, in_flight, simulate
+from fpipe.schedules.validate import ScheduleError, validate
+
+__all__ = [
+    "Action", "Op", "Program", "ScheduleError", "validate", "gpipe", "one_f_one_b", "GPipe",
+    "OneFOneB", "Costs", "simulate", "Simulation", "apply_remat", "normalize_remat", "in_flight",
+]

@@ -1,0 +1,187 @@
+"""Actions and programs: the plain data a schedule compiles to.
+
+A program says, for each worker, the ordered actions it executes. Nothing here knows about
+tensors or devices, so a program can be built, printed, parsed, validated and simulated before
+anything runs. Actions print in the spelling of ``torch.distributed.pipelining`` (``2F0`` is
+stage 2, forward, micro-batch 0) so schedules can move between the two projects.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+
+class Op(enum.Enum):
+    """What an action does to one (stage, micro-batch)."""
+
+    FORWARD = "F"
+    #: Re-run a forward whose activations were dropped, rebuilding what its backward needs.
+    RECOMPUTE = "R"
+    #: Full backward: gradients with respect to the stage's input and its parameters.
+    BACKWARD = "B"
+    #: Split backward (zero-bubble schedules): gradient with respect to the input only ...
+    BACKWARD_INPUT = "I"
+    #: ... and, later, with respect to the parameters.
+    BACKWARD_WEIGHT = "W"
+
+    def __repr__(self) -> str:
+        return f"Op.{self.name}"
+
+
+F, R, B, I, W = Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+
+_ACTION_RE = re.compile(r"^\s*(\d+)([FRBIW])(\d+)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one worker: ``op`` applied to ``stage`` on ``microbatch``."""
+
+    stage: int
+    op: Op
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse the compact spelling, e.g. ``Action.parse("2F0")``."""
+        match = _ACTION_RE.match(text)
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected <stage><op><micro-batch> with op one of "
+                f"F, R, B, I, W, e.g. '2F0'"
+            )
+        stage, op, microbatch = match.groups()
+        return cls(int(stage), Op(op), int(microbatch))
+
+
+ActionLike = Action | str
+
+
+def _as_action(item: ActionLike) -> Action:
+    if isinstance(item, Action):
+        return item
+    if isinstance(item, str):
+        return Action.parse(item)
+    raise TypeError(f"expected an Action or a string such as '0F0', got {type(item).__name__}")
+
+
+@dataclass(frozen=True)
+class Program:
+    """Per worker, the ordered actions it executes (contract 4 of DESIGN.md).
+
+    ``workers[w]`` is worker ``w``'s tuple of actions. Actions may be given as ``Action`` values
+    or as strings like ``"0F0"``. Which worker holds which stage follows from the actions; see
+    :attr:`placement`. A program is immutable and hashable, and it is its own schedule:
+    ``program.program(n_stages)`` returns it, so a hand-written program can be passed wherever a
+    schedule is expected.
+    """
+
+    workers: tuple[tuple[Action, ...], ...]
+    n_stages: int
+    n_microbatches: int
+
+    def __init__(
+        self,
+        workers: Iterable[Iterable[ActionLike]],
+        n_stages: int,
+        n_microbatches: int,
+    ) -> None:
+        if isinstance(workers, (str, bytes)):
+            raise TypeError("workers must be a sequence of per-worker action sequences")
+        object.__setattr__(
+            self, "workers", tuple(tuple(_as_action(a) for a in actions) for actions in workers)
+        )
+        object.__setattr__(self, "n_stages", positive_int("n_stages", n_stages))
+        object.__setattr__(self, "n_microbatches", positive_int("n_microbatches", n_microbatches))
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.workers)
+
+    @cached_property
+    def placement(self) -> tuple[int | None, ...]:
+        """The worker holding each stage (``None`` for a stage no action mentions).
+
+        When a stage appears on several workers (an invalid program), the first is reported;
+        :func:`fpipe.schedules.validate` rejects such programs.
+        """
+        where: dict[int, int] = {}
+        for worker, actions in enumerate(self.workers):
+            for action in actions:
+                where.setdefault(action.stage, worker)
+        return tuple(where.get(stage) for stage in range(self.n_stages))
+
+    def program(self, n_stages: int) -> Program:
+        if n_stages != self.n_stages:
+            raise ValueError(
+                f"this program is for {self.n_stages} stages but the pipeline has {n_stages}"
+            )
+        return self
+
+    def forward_only(self) -> Program:
+        """The same program with every action but the forwards removed (inference)."""
+        return Program(
+            [[a for a in actions if a.op is Op.FORWARD] for actions in self.workers],
+            self.n_stages,
+            self.n_microbatches,
+        )
+
+    def __str__(self) -> str:
+        return "\n".join(
+            f"worker {w}: " + " ".join(str(a) for a in actions)
+            for w, actions in enumerate(self.workers)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Program(n_stages={self.n_stages}, n_microbatches={self.n_microbatches}, "
+            f"workers={[[str(a) for a in actions] for actions in self.workers]})"
+        )
+
+    @classmethod
+    def parse(cls, text: str, n_stages: int | None = None,
+              n_microbatches: int | None = None) -> Program:
+        """Parse the output of ``str(program)``: one ``worker N: 0F0 0F1 ...`` line per worker.
+
+        Stage and micro-batch counts default to one more than the largest index mentioned.
+        """
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        workers: list[list[Action]] = []
+        for number, line in enumerate(lines):
+            head, sep, body = line.partition(":")
+            if not sep or head.split() != ["worker", str(number)]:
+                raise ValueError(
+                    f"line {number + 1} of the program should start with 'worker {number}:', "
+                    f"got {line!r}"
+                )
+            workers.append([Action.parse(token) for token in body.split()])
+        return cls.from_actions(workers, n_stages, n_microbatches)
+
+    @classmethod
+    def from_actions(cls, workers: Sequence[Sequence[ActionLike]], n_stages: int | None = None,
+                     n_microbatches: int | None = None) -> Program:
+        """Build a program, inferring stage and micro-batch counts that are not given."""
+        actions = [[_as_action(a) for a in worker] for worker in workers]
+        every = [a for worker in actions for a in worker]
+        if n_stages is None:
+            n_stages = 1 + max((a.stage for a in every), default=0)
+        if n_microbatches is None:
+            n_microbatches = 1 + max((a.microbatch for a in every), default=0)
+        return cls(actions, n_stages, n_microbatches)
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int of at least 1 (a bool is not), else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,40 @@
+"""GPipe: every micro-batch forward through the pipeline, then every one backward.
+
+The simplest schedule and the reference for the others: its bubble is (K-1)/(M+K-1) for K
+stages and M micro-batches, and each stage keeps all M micro-batches alive at the turn, which is
+why it recomputes by default (torchgpipe's ``checkpoint="except_last"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fpipe.schedules.actions import Action, B, F, Program, positive_int
+from fpipe.schedules.remat import RematPolicy, apply_remat, normalize_remat
+
+
+@dataclass(frozen=True)
+class GPipe:
+    """The GPipe schedule over ``chunks`` micro-batches; a hashable value."""
+
+    chunks: int
+    remat: RematPolicy = "except_last"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", positive_int("chunks", self.chunks))
+        object.__setattr__(self, "remat", normalize_remat(self.remat))
+
+    def program(self, n_stages: int) -> Program:
+        """Worker k holds stage k: all forwards in order, then all backwards in reverse."""
+        positive_int("n_stages", n_stages)
+        mbs = range(self.chunks)
+        workers = [
+            [Action(k, F, m) for m in mbs] + [Action(k, B, m) for m in reversed(mbs)]
+            for k in range(n_stages)
+        ]
+        return apply_remat(Program(workers, n_stages, self.chunks), self.remat)
+
+
+def gpipe(chunks: int, remat: object = "except_last") -> GPipe:
+    """The GPipe schedule; ``remat`` is a policy accepted by :func:`normalize_remat`."""
+    return GPipe(chunks, remat)  # type: ignore[arg-type]

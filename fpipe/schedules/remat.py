@@ -1,0 +1,88 @@
+"""Rematerialisation policies as program -> program transforms (contract 5 of DESIGN.md).
+
+A recomputed (stage, micro-batch) keeps only its input after the forward and runs the forward
+again, as an ``R`` action, just before its backward. Writing the recompute into the program,
+rather than leaving it to a driver flag, lets memory and time be counted before anything runs.
+"""
+
+from __future__ import annotations
+
+from fpipe.schedules.actions import Action, B, I, Program, R
+
+#: A normalised policy: one of :data:`POLICIES`, or the frozenset of stages to recompute.
+RematPolicy = str | frozenset[int]
+
+POLICIES = ("always", "except_last", "never")
+
+
+def normalize_remat(policy: object) -> RematPolicy:
+    """The hashable canonical form of a policy, or a ValueError saying what is accepted.
+
+    ``"always"`` recomputes every (stage, micro-batch); ``"except_last"`` every one except the
+    last micro-batch, whose backward comes first in GPipe so keeping it costs nothing (the
+    meaning torchgpipe gives it); ``"never"`` none; an iterable of stage indices recomputes
+    those stages on every micro-batch.
+    """
+    accepted = f"one of {', '.join(map(repr, POLICIES))}, or a set of stage indices"
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown remat policy {policy!r}: expected {accepted}")
+        return policy
+    try:
+        stages = frozenset(policy)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"remat policy must be {accepted}, got {policy!r}") from None
+    bad = sorted((s for s in stages if isinstance(s, bool) or not isinstance(s, int) or s < 0),
+                 key=repr)
+    if bad:
+        raise ValueError(
+            f"remat stages must be non-negative integers, got {', '.join(map(repr, bad))}"
+        )
+    return stages
+
+
+def apply_remat(program: Program, policy: object) -> Program:
+    """``program`` with ``R(s, m)`` inserted right before the first backward (B or I) of each
+    (stage, micro-batch) the policy selects, on that stage's worker.
+
+    Pairs that already recompute keep their ``R`` and get no second one, so applying a policy
+    twice changes nothing; pairs without a backward (inference) are left alone.
+    """
+    policy = normalize_remat(policy)
+    if isinstance(policy, frozenset):
+        beyond = sorted(s for s in policy if s >= program.n_stages)
+        if beyond:
+            raise ValueError(
+                f"remat stages {beyond} do not exist: the program has {program.n_stages} stages"
+            )
+    last = program.n_microbatches - 1
+
+    def selected(stage: int, mb: int) -> bool:
+        if policy == "always":
+            return True
+        if policy == "except_last":
+            return mb != last
+        if policy == "never":
+            return False
+        return stage in policy
+
+    handled = set(recomputed(program))
+    workers = []
+    for actions in program.workers:
+        out: list[Action] = []
+        for action in actions:
+            pair = (action.stage, action.microbatch)
+            if action.op in (B, I) and pair not in handled:
+                handled.add(pair)
+                if selected(*pair):
+                    out.append(Action(action.stage, R, action.microbatch))
+            out.append(action)
+        workers.append(out)
+    return Program(workers, program.n_stages, program.n_microbatches)
+
+
+def recomputed(program: Program) -> frozenset[tuple[int, int]]:
+    """The (stage, micro-batch) pairs that ``program`` recomputes."""
+    return frozenset(
+        (a.stage, a.microbatch) for actions in program.workers for a in actions if a.op is R
+    )

@@ -1,0 +1,220 @@
+"""The rules every program obeys (contract 6 of DESIGN.md), checked before anything runs.
+
+A broken program would otherwise surface as a hang or a wrong gradient deep inside a driver;
+here it surfaces as a :class:`ScheduleError` that names the rule, the action and the worker.
+All checks are linear in the number of actions, so programs of thousands of actions are cheap.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Container
+
+from fpipe.schedules.actions import Action, B, F, I, Op, Program, R, W
+
+
+class ScheduleError(ValueError):
+    """A program breaks ``rule`` (short, kebab-case) at ``action`` on ``worker``.
+
+    ``action`` and ``worker`` are ``None`` where the rule concerns no single one of them (a
+    program without workers) or where no worker holds the action (a missing action of a stage
+    that appears nowhere).
+    """
+
+    def __init__(self, rule: str, explanation: str, action: Action | None = None,
+                 worker: int | None = None) -> None:
+        where = "".join([
+            f" at action {action}" if action is not None else "",
+            f" on worker {worker}" if worker is not None else "",
+        ])
+        super().__init__(f"schedule rule '{rule}' broken{where}: {explanation}")
+        self.rule = rule
+        self.explanation = explanation
+        self.action = action
+        self.worker = worker
+
+    def __reduce__(self):
+        return type(self), (self.rule, self.explanation, self.action, self.worker)
+
+
+def dependencies(action: Action, present: Container[Action],
+                 n_stages: int) -> tuple[tuple[Action, str], ...]:
+    """What must finish before ``action`` can run, each with the rule that names the need.
+
+    ``present`` holds the program's actions: a backward waits for its recompute only if there
+    is one, and for the next stage's full backward or, in a split backward, its input part.
+    """
+    stage, mb = action.stage, action.microbatch
+    if action.op is F:
+        return ((Action(stage - 1, F, mb), "forward-order"),) if stage > 0 else ()
+    if action.op is R:
+        return ((Action(stage, F, mb), "recompute-after-forward"),)
+    if action.op is W:
+        return ((Action(stage, I, mb), "weight-after-input"),)
+    needs = [(Action(stage, F, mb), "backward-after-forward")]
+    if Action(stage, R, mb) in present:
+        needs.append((Action(stage, R, mb), "backward-after-recompute"))
+    if stage + 1 < n_stages:
+        later = Action(stage + 1, B, mb)
+        needs.append((later if later in present else Action(stage + 1, I, mb), "backward-order"))
+    return tuple(needs)
+
+
+def validate(program: Program, *, training: bool = True) -> Program:
+    """Return ``program`` unchanged if it obeys every rule, else raise the first broken one.
+
+    With ``training=False`` (inference, e.g. ``program.forward_only()``) only the forwards are
+    required, and any other action is an error.
+    """
+    if program.n_workers == 0:
+        raise ScheduleError("no-workers", "a program needs at least one worker")
+    _check_ranges(program)
+    _check_placement(program)
+    _check_exactly_once(program, training)
+    _check_worker_order(program)
+    execution_order(program)
+    return program
+
+
+def execution_order(program: Program) -> tuple[Action, ...]:
+    """A global order of all actions that respects every worker's order and every dependency.
+
+    Each worker advances while its next action's dependencies are done; a worker that waits is
+    woken by the action it waits for, so each action is looked at a bounded number of times.
+    Assumes the other rules hold; raises the ``deadlock`` rule when no such order exists.
+    """
+    present = frozenset(a for actions in program.workers for a in actions)
+    position = [0] * program.n_workers
+    done: set[Action] = set()
+    order: list[Action] = []
+    waiting: dict[Action, list[int]] = defaultdict(list)
+    ready = deque(range(program.n_workers))
+    while ready:
+        worker = ready.popleft()
+        actions = program.workers[worker]
+        while position[worker] < len(actions):
+            action = actions[position[worker]]
+            need = next((d for d, _ in dependencies(action, present, program.n_stages)
+                         if d not in done), None)
+            if need is not None:
+                waiting[need].append(worker)
+                break
+            done.add(action)
+            order.append(action)
+            position[worker] += 1
+            ready.extend(waiting.pop(action, ()))
+    if len(order) < len(present):
+        _raise_deadlock(program, position, present, done)
+    return tuple(order)
+
+
+def _raise_deadlock(program: Program, position: list[int], present: frozenset[Action],
+                    done: set[Action]) -> None:
+    blocked = []
+    for worker, actions in enumerate(program.workers):
+        if position[worker] < len(actions):
+            action = actions[position[worker]]
+            needs = ", ".join(
+                f"{d} (worker {program.placement[d.stage]})"
+                for d, _ in dependencies(action, present, program.n_stages) if d not in done
+            )
+            blocked.append((worker, action, needs))
+    worker, action, _ = blocked[0]
+    detail = "; ".join(f"worker {w} is stuck at {a} waiting for {n}" for w, a, n in blocked)
+    raise ScheduleError(
+        "deadlock", f"the per-worker orders admit no global order: {detail}", action, worker
+    )
+
+
+def _check_ranges(program: Program) -> None:
+    for worker, actions in enumerate(program.workers):
+        for action in actions:
+            if not 0 <= action.stage < program.n_stages:
+                raise ScheduleError(
+                    "index-range",
+                    f"stage {action.stage} is outside [0, {program.n_stages})", action, worker,
+                )
+            if not 0 <= action.microbatch < program.n_microbatches:
+                raise ScheduleError(
+                    "index-range",
+                    f"micro-batch {action.microbatch} is outside [0, {program.n_microbatches})",
+                    action, worker,
+                )
+
+
+def _check_placement(program: Program) -> None:
+    """One worker per stage: its parameters, and the activations it keeps, live in one place."""
+    for worker, actions in enumerate(program.workers):
+        for action in actions:
+            home = program.placement[action.stage]
+            if home != worker:
+                raise ScheduleError(
+                    "stage-placement",
+                    f"stage {action.stage} is held by worker {home}, but this action of it is "
+                    f"on worker {worker}; all actions of a stage must be on one worker",
+                    action, worker,
+                )
+
+
+def _check_exactly_once(program: Program, training: bool) -> None:
+    seen: set[Action] = set()
+    for worker, actions in enumerate(program.workers):
+        for action in actions:
+            if not training and action.op is not F:
+                raise ScheduleError(
+                    "forward-only",
+                    f"an inference program holds only forwards, not {action.op.name.lower()}",
+                    action, worker,
+                )
+            if action in seen:
+                raise ScheduleError(
+                    "exactly-once", f"{action} appears more than once", action, worker
+                )
+            seen.add(action)
+
+    def missing(stage: int, mb: int, op: Op, why: str) -> ScheduleError:
+        action = Action(stage, op, mb)
+        return ScheduleError("exactly-once", f"{action} is missing: {why}", action,
+                             program.placement[stage])
+
+    def mixed(stage: int, mb: int, op: Op) -> ScheduleError:
+        action = Action(stage, op, mb)
+        return ScheduleError(
+            "exactly-once",
+            f"stage {stage}, micro-batch {mb} has both a full backward {stage}B{mb} and a split "
+            f"backward part {action}; use either B, or I and W",
+            action, program.placement[stage],
+        )
+
+    for stage in range(program.n_stages):
+        for mb in range(program.n_microbatches):
+            if Action(stage, F, mb) not in seen:
+                raise missing(stage, mb, F, "every (stage, micro-batch) runs forward once")
+            if not training:
+                continue
+            has = {op: Action(stage, op, mb) in seen for op in (B, I, W)}
+            if has[B] and has[I]:
+                raise mixed(stage, mb, I)
+            if has[B] and has[W]:
+                raise mixed(stage, mb, W)
+            if not (has[B] or has[I] or has[W]):
+                raise missing(stage, mb, B, "every (stage, micro-batch) runs backward once")
+            if has[I] and not has[W]:
+                raise missing(stage, mb, W, "a split backward needs its weight-gradient part")
+            if has[W] and not has[I]:
+                raise missing(stage, mb, I, "a split backward needs its input-gradient part")
+
+
+def _check_worker_order(program: Program) -> None:
+    """A dependency held by the same worker must come earlier in that worker's list."""
+    present = frozenset(a for actions in program.workers for a in actions)
+    for worker, actions in enumerate(program.workers):
+        index = {action: i for i, action in enumerate(actions)}
+        for i, action in enumerate(actions):
+            for need, rule in dependencies(action, present, program.n_stages):
+                if index.get(need, -1) > i:
+                    raise ScheduleError(
+                        rule,
+                        f"{action} needs {need}, which worker {worker} runs later",
+                        action, worker,
+                    )

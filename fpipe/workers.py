@@ -1,0 +1,126 @@
+"""Worker threads and their inboxes: how the local driver runs workers concurrently.
+
+Threads are started once per pipeline, not per step, and the caller's own thread runs worker 0,
+so a one-worker program starts no thread at all. Torch kernels release the GIL, so workers on
+CPU stages really compute in parallel. A step that fails is aborted everywhere: every inbox
+wakes its waiter with :class:`Aborted`, each worker returns, and only then does the caller
+raise, so no thread is ever left blocked inside a step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["Aborted", "Inbox", "WorkerPool"]
+
+
+class Aborted(Exception):
+    """Raised in a worker waiting for a value when another worker has failed."""
+
+
+class Inbox:
+    """Values addressed to one worker, each taken once by key."""
+
+    __slots__ = ("_items", "_ready", "aborted")
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, Any] = {}
+        self._ready = threading.Condition(threading.Lock())
+        self.aborted = False
+
+    def put(self, key: Hashable, item: Any) -> None:
+        with self._ready:
+            self._items[key] = item
+            self._ready.notify()
+
+    def take(self, key: Hashable) -> Any:
+        items = self._items
+        if key in items:  # already delivered: no lock needed to pop our own key
+            return items.pop(key)
+        with self._ready:
+            while key not in items:
+                if self.aborted:
+                    raise Aborted
+                self._ready.wait()
+            return items.pop(key)
+
+    def abort(self) -> None:
+        with self._ready:
+            self.aborted = True
+            self._ready.notify_all()
+
+
+class WorkerPool:
+    """``n`` workers: the caller's thread and ``n - 1`` daemon threads kept between steps."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._jobs: list[queue.SimpleQueue] = []
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._finalizer: weakref.finalize | None = None
+
+    def _start(self) -> None:
+        for w in range(1, self.n):
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=_serve, args=(jobs, self._done),
+                                      name=f"fpipe-worker-{w}", daemon=True)
+            thread.start()
+            self._jobs.append(jobs)
+            self._threads.append(thread)
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
+
+    def run(self, jobs: list[Callable[[], None]], on_interrupt: Callable[[], None]) -> None:
+        """Run ``jobs[w]`` on worker ``w``; return when all have returned.
+
+        Jobs handle their own errors. If the caller is interrupted (KeyboardInterrupt) while
+        running or waiting, ``on_interrupt`` aborts the step, the other workers are waited for,
+        and the interrupt is re-raised.
+        """
+        if self.n > 1 and not self._threads:
+            self._start()
+        for job, inbox in zip(jobs[1:], self._jobs):
+            inbox.put(job)
+        pending = self.n - 1
+        try:
+            jobs[0]()
+            while pending:
+                self._done.get()
+                pending -= 1
+        except BaseException:
+            on_interrupt()
+            while pending:
+                self._done.get()
+                pending -= 1
+            raise
+
+    def close(self) -> None:
+        """Stop the threads; the pool starts new ones if it is used again."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._jobs, self._threads, self._finalizer = [], [], None
+
+
+def _serve(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            job()
+        except BaseException:  # noqa: S110 - the job has recorded it; the thread must live on
+            pass
+        finally:
+            done.put(None)
+
+
+def _stop(jobs: list[queue.SimpleQueue], threads: list[threading.Thread]) -> None:
+    for inbox in jobs:
+        inbox.put(None)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join()

@@ -1,0 +1,9 @@
+"""Shared test settings: hypothesis profiles, chosen by the HYPOTHESIS_PROFILE variable."""
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", max_examples=60, deadline=None)
+settings.register_profile("dev", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

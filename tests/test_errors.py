@@ -1,0 +1,243 @@
+"""Bad input and failing stages give errors that name the problem; nothing is left hanging."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from models import block, mlp_params, mse
+
+import fpipe
+from fpipe import BatchError, PlacementError, ScheduleError, StageError
+from fpipe.schedules import Program, gpipe, one_f_one_b
+
+
+def data(n=6, width=8):
+    return torch.randn(n, width, dtype=torch.float64), torch.randn(n, width, dtype=torch.float64)
+
+
+def test_empty_stage_list():
+    with pytest.raises(ValueError, match="at least one stage"):
+        fpipe.pipeline([], [], schedule=gpipe(chunks=1))
+
+
+def test_stage_and_params_counts_differ():
+    with pytest.raises(ValueError, match="3 stages but 2 parameter pytrees"):
+        fpipe.pipeline([block] * 3, mlp_params(2), schedule=gpipe(chunks=1))
+
+
+def test_stage_not_callable():
+    with pytest.raises(TypeError, match="stage 1 is a int"):
+        fpipe.pipeline([block, 3], mlp_params(2), schedule=gpipe(chunks=1))
+
+
+def test_param_leaf_not_a_tensor():
+    params = mlp_params(2)
+    params[1]["b"] = 0.5
+    with pytest.raises(TypeError, match=r"params\[1\]\['b'\] is a float"):
+        fpipe.pipeline([block] * 2, params, schedule=gpipe(chunks=1))
+
+
+def test_params_on_several_devices_in_one_stage():
+    params = mlp_params(2)
+    params[1]["b"] = torch.empty(8, device="meta")
+    with pytest.raises(PlacementError, match=r"stage 1's parameters are on several devices"):
+        fpipe.pipeline([block] * 2, params, schedule=gpipe(chunks=1))
+
+
+def test_params_not_on_the_named_device():
+    params = mlp_params(2)
+    expected = r"stage 1 runs on meta .*params\[1\]\['b'\] is on cpu"
+    with pytest.raises(PlacementError, match=expected):
+        fpipe.pipeline([block] * 2, params, schedule=gpipe(chunks=1), devices=["cpu", "meta"])
+
+
+def test_new_params_of_another_structure():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2),
+                        loss_fn=mse) as pipe:
+        other = mlp_params(2)
+        del other[0]["b"]
+        with pytest.raises(ValueError, match=r"params\[0\] has structure"):
+            pipe.value_and_grad(*data(), params=other)
+
+
+def test_schedule_that_is_not_one():
+    with pytest.raises(TypeError, match="schedule must be a schedule value"):
+        fpipe.pipeline([block] * 2, mlp_params(2), schedule=8)
+
+
+def test_invalid_custom_program_is_rejected_before_running():
+    program = Program([["0F0"], ["1F0", "1B0"]], n_stages=2, n_microbatches=1)
+    with pytest.raises(ScheduleError, match="exactly-once"):
+        fpipe.pipeline([block] * 2, mlp_params(2), schedule=program)
+
+
+def test_program_referencing_a_missing_stage():
+    program = Program([["0F0", "0B0"], ["1F0", "1B0"]], n_stages=2, n_microbatches=1)
+    with pytest.raises(ValueError, match="for 2 stages but the pipeline has 3"):
+        fpipe.pipeline([block] * 3, mlp_params(3), schedule=program)
+
+
+def test_batch_smaller_than_chunks():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=8),
+                        loss_fn=mse) as pipe:
+        with pytest.raises(BatchError, match="5 samples, fewer than chunks=8"):
+            pipe.value_and_grad(*data(5))
+        with pytest.raises(BatchError, match="fewer than chunks=8"):
+            pipe(data(5)[0])
+
+
+def test_input_leaves_disagree_on_batch_size():
+    def first(p, x):
+        return block(p, x["a"] + x["b"][:1])
+    with fpipe.pipeline([first, block], mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        expected = r"disagree on the batch size.*\['a'\] has 4.*\['b'\] has 3"
+        with pytest.raises(BatchError, match=expected):
+            pipe({"a": torch.randn(4, 8, dtype=torch.float64),
+                  "b": torch.randn(3, 8, dtype=torch.float64)})
+
+
+def test_target_of_another_batch_size():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2),
+                        loss_fn=mse) as pipe:
+        x, _ = data(6)
+        with pytest.raises(BatchError, match="6 samples but the target has 4"):
+            pipe.value_and_grad(x, torch.zeros(4, 8, dtype=torch.float64))
+
+
+def test_value_and_grad_without_loss():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        with pytest.raises(ValueError, match="loss_fn"):
+            pipe.value_and_grad(*data())
+
+
+def test_loss_not_a_scalar():
+    def per_sample(y, t):
+        return ((y - t) ** 2).mean(dim=1)
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2),
+                        loss_fn=per_sample) as pipe:
+        with pytest.raises(StageError, match=r"stage 1 .*scalar \(0-dim\) tensor, got \(3,\)"):
+            pipe.value_and_grad(*data())
+
+
+def test_stage_output_changes_batch_size():
+    def drops_a_row(p, x):
+        return block(p, x)[1:]
+    with fpipe.pipeline([drops_a_row, block], mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        with pytest.raises(StageError, match=r"stage 0 .*micro-batch 0.*micro-batch size 3"):
+            pipe(data()[0])
+
+
+def test_stage_returns_no_tensor():
+    def nothing(p, x):
+        return None
+    with fpipe.pipeline([nothing, block], mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        with pytest.raises(StageError, match=r"stage 0 .*returned no tensor"):
+            pipe(data()[0])
+
+
+def test_output_does_not_fit_next_stage_names_both_stages_and_shapes():
+    params = mlp_params(3)
+    params[1]["w"] = torch.randn(8, 5, dtype=torch.float64)
+    params[1]["b"] = torch.randn(5, dtype=torch.float64)
+    with fpipe.pipeline([block] * 3, params, schedule=gpipe(chunks=2), loss_fn=mse) as pipe:
+        with pytest.raises(StageError) as info:
+            pipe.value_and_grad(*data())
+    message = str(info.value)
+    assert "stage 2 failed in the forward of micro-batch" in message
+    assert "from stage 1: Tensor(3, 5) float64" in message
+    assert info.value.stage == 2 and info.value.op == "forward"
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom in backward")
+
+
+def faulty_stages(where, fail_stage, fail_microbatch, chunks):
+    """Stages in which (fail_stage, fail_microbatch) raises in the forward, the recompute (its
+    second call) or the backward."""
+    calls = {}
+
+    def make(s):
+        def stage(p, x):
+            m = int(x[0, 0].item())  # the micro-batch index rides in the first column
+            calls[(s, m)] = calls.get((s, m), 0) + 1
+            hit = (s, m) == (fail_stage, fail_microbatch)
+            if hit and where == "forward":
+                raise RuntimeError("boom in forward")
+            if hit and where == "recompute" and calls[(s, m)] % 2 == 0:
+                raise RuntimeError("boom in recompute")
+            y = x + 0 * p["w"].sum()
+            return FailsInBackward.apply(y) if hit and where == "backward" else y
+        return stage
+
+    return [make(s) for s in range(3)]
+
+
+@pytest.mark.parametrize("where", ["forward", "recompute", "backward"])
+@pytest.mark.parametrize("fail_stage", [0, 1, 2])
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+def test_stage_raising_names_stage_and_microbatch(where, fail_stage, make):
+    chunks = 3
+    x = torch.arange(chunks, dtype=torch.float64).repeat_interleave(2)[:, None].repeat(1, 8)
+    target = torch.zeros_like(x)
+    params = mlp_params(3)
+    stages = faulty_stages(where, fail_stage, 1, chunks)
+    threads_before = threading.active_count()
+    with fpipe.pipeline(stages, params, schedule=make(chunks=chunks, remat="always"),
+                        loss_fn=mse) as pipe:
+        with pytest.raises(StageError) as info:
+            pipe.value_and_grad(x, target)
+        assert info.value.stage == fail_stage and info.value.microbatch == 1
+        assert f"boom in {where}" in str(info.value.__cause__)
+        assert f"stage {fail_stage} failed in the {where} of micro-batch 1" in str(info.value)
+        # The pipeline stays usable, with the same threads.
+        healthy = fpipe.pipeline([block] * 3, params, schedule=make(chunks=chunks), loss_fn=mse)
+        threads = threading.active_count()
+        for _ in range(2):
+            with pytest.raises(StageError):
+                pipe.value_and_grad(x, target)
+            assert threading.active_count() == threads
+        healthy.value_and_grad(x, target)
+        healthy.close()
+    assert threading.active_count() == threads_before
+
+
+def test_keyboard_interrupt_in_the_caller_stops_every_worker():
+    interrupt = {"on": True}
+
+    def stage0(p, x):
+        if interrupt["on"]:
+            raise KeyboardInterrupt
+        return block(p, x)
+
+    threads_before = threading.active_count()
+    pipe = fpipe.pipeline([stage0, block, block], mlp_params(3), schedule=gpipe(chunks=2),
+                          loss_fn=mse)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.value_and_grad(*data())
+    interrupt["on"] = False
+    pipe.value_and_grad(*data())  # workers are idle again, not stuck in the aborted step
+    pipe.close()
+    assert threading.active_count() == threads_before
+
+
+def test_base_exception_in_a_worker_thread_becomes_stage_error():
+    def exits(p, x):
+        raise SystemExit("stage asked to exit")
+    with fpipe.pipeline([block, exits], mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        with pytest.raises(StageError, match="stage 1 .*SystemExit"):
+            pipe(data()[0])
+        with pytest.raises(StageError):
+            pipe(data()[0])

@@ -1,0 +1,249 @@
+"""Pipelined loss and gradients equal whole-batch ``torch.func`` ones, for every schedule."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from models import block, forward, mlp_params, mse, whole_batch
+
+import fpipe
+from fpipe.schedules import Program, gpipe, one_f_one_b
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def assert_trees_close(actual, expected, **tol):
+    assert optree.tree_structure(actual) == optree.tree_structure(expected)
+    for a, e in zip(optree.tree_leaves(actual), optree.tree_leaves(expected)):
+        assert a.device == e.device
+        torch.testing.assert_close(a, e, **(tol or TIGHT))
+
+
+remat_policies = st.one_of(
+    st.sampled_from(["always", "except_last", "never"]),
+    st.frozensets(st.integers(0, 4), max_size=5),
+)
+
+
+@given(
+    n_stages=st.integers(1, 5),
+    chunks=st.integers(1, 6),
+    extra=st.integers(0, 7),
+    make=st.sampled_from([gpipe, one_f_one_b]),
+    remat=remat_policies,
+)
+def test_matches_whole_batch(n_stages, chunks, extra, make, remat):
+    remat = remat if isinstance(remat, str) else frozenset(s for s in remat if s < n_stages)
+    params = mlp_params(n_stages)
+    stages = [block] * n_stages
+    n = chunks + extra  # uneven splits and batch == chunks included
+    x = torch.randn(n, 8, dtype=torch.float64)
+    target = torch.randn(n, 8, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
+    with fpipe.pipeline(stages, params, schedule=make(chunks=chunks, remat=remat),
+                        loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+        torch.testing.assert_close(loss, expected_loss, **TIGHT)
+        assert_trees_close(grads, expected_grads)
+        torch.testing.assert_close(pipe(x), forward(stages, params, x), **TIGHT)
+
+
+def test_ten_samples_in_four_chunks():
+    params = mlp_params(3)
+    stages = [block] * 3
+    x, target = torch.randn(10, 8, dtype=torch.float64), torch.randn(10, 8, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
+    for schedule in (gpipe(chunks=4), one_f_one_b(chunks=4)):
+        with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as pipe:
+            loss, grads = pipe.value_and_grad(x, target)
+        torch.testing.assert_close(loss, expected_loss, **TIGHT)
+        assert_trees_close(grads, expected_grads)
+
+
+Affine = namedtuple("Affine", ["weight", "bias"])
+
+
+def embed(p, batch):
+    """Dict in (with integer ids and a Python value), tuple out (with the ids passed on)."""
+    h = p["table"][batch["ids"]] * batch["scale"] + batch["features"] @ p["proj"]
+    return h, batch["ids"]
+
+
+def mix(p, value):
+    h, ids = value
+    return {"h": torch.tanh(h @ p[0].weight + p[0].bias), "ids": ids, "extra": [p[1]["gain"] * h]}
+
+
+def head(p, value):
+    return (value["h"] + value["extra"][0]) @ p["out"]
+
+
+def pytree_model(dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype) * 0.5
+
+    params = [
+        {"table": r(11, 6), "proj": r(4, 6)},
+        [Affine(r(6, 6), r(6)), {"gain": r(6)}],
+        {"out": r(6, 3)},
+    ]
+    return [embed, mix, head], params
+
+
+@pytest.mark.parametrize("schedule", [gpipe(chunks=3), gpipe(chunks=5, remat="always"),
+                                      one_f_one_b(chunks=4, remat="except_last")])
+def test_pytree_inputs_outputs_and_params(schedule):
+    stages, params = pytree_model()
+    n = 7
+    batch = {"ids": torch.randint(0, 11, (n,)), "features": torch.randn(n, 4, dtype=torch.float64),
+             "scale": 2.0}
+    target = torch.randn(n, 3, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch(stages, params, batch, target, mse)
+    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(batch, target)
+        torch.testing.assert_close(loss, expected_loss, **TIGHT)
+        assert_trees_close(grads, expected_grads)
+        assert isinstance(grads[1][0], Affine)
+        torch.testing.assert_close(pipe(batch), forward(stages, params, batch), **TIGHT)
+
+
+def test_other_params_same_pipeline():
+    params = mlp_params(3)
+    other = mlp_params(3, seed=5)
+    stages = [block] * 3
+    x, target = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch(stages, other, x, target, mse)
+    with fpipe.pipeline(stages, params, schedule=gpipe(chunks=3), loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target, params=other)
+        torch.testing.assert_close(pipe(x, params=other), forward(stages, other, x), **TIGHT)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert_trees_close(grads, expected_grads)
+
+
+def test_requires_grad_params_are_not_tracked():
+    params = [{k: v.requires_grad_() for k, v in p.items()} for p in mlp_params(2)]
+    x, target = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    with fpipe.pipeline([block] * 2, params, schedule=gpipe(chunks=2), loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+    assert not loss.requires_grad
+    assert all(not g.requires_grad for g in optree.tree_leaves(grads))
+    assert all(p.grad is None for p in optree.tree_leaves(params))
+
+
+def two_stages_per_worker(chunks: int) -> Program:
+    """Four stages on two workers, looped: worker 0 holds stages 0 and 2, worker 1 holds 1, 3."""
+    workers = []
+    for first, second in ((0, 2), (1, 3)):
+        actions = [f"{first}F{m}" for m in range(chunks)]
+        actions += [f"{second}F{m}" for m in range(chunks)]
+        actions += [f"{second}B{m}" for m in reversed(range(chunks))]
+        actions += [f"{first}B{m}" for m in reversed(range(chunks))]
+        workers.append(actions)
+    return Program(workers, n_stages=4, n_microbatches=chunks)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_several_stages_per_worker(chunks):
+    params = mlp_params(4)
+    stages = [block] * 4
+    x, target = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
+    with fpipe.pipeline(stages, params, schedule=two_stages_per_worker(chunks),
+                        loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert_trees_close(grads, expected_grads)
+
+
+def test_split_backward_program_runs():
+    """A hand-written program with input- and weight-gradient actions gives the same grads."""
+    program = Program([["0F0", "0F1", "0I1", "0I0", "0W0", "0W1"],
+                       ["1F0", "1I0", "1F1", "1I1", "1W1", "1W0"]], n_stages=2, n_microbatches=2)
+    params = mlp_params(2)
+    stages = [block] * 2
+    x, target = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
+    with fpipe.pipeline(stages, params, schedule=program, loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert_trees_close(grads, expected_grads)
+
+
+def dropout_block(p, x):
+    return F.dropout(torch.tanh(x @ p["w"] + p["b"]), p=0.5, training=True)
+
+
+def dropout_step(schedule, seed=0, n_stages=3):
+    params = mlp_params(n_stages)
+    torch.manual_seed(123)
+    x, target = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    with fpipe.pipeline([dropout_block] * n_stages, params, schedule=schedule,
+                        loss_fn=mse) as pipe:
+        torch.manual_seed(seed)
+        return pipe.value_and_grad(x, target)
+
+
+@pytest.mark.parametrize("remat", ["always", "except_last", frozenset({1})])
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+def test_dropout_recompute_draws_the_same_numbers(make, remat):
+    loss, grads = dropout_step(make(chunks=4, remat="never"))
+    loss_remat, grads_remat = dropout_step(make(chunks=4, remat=remat))
+    torch.testing.assert_close(loss_remat, loss, rtol=0, atol=0)
+    assert_trees_close(grads_remat, grads, rtol=0, atol=0)
+
+
+def test_dropout_is_active_and_seeded_by_the_caller():
+    loss_a, grads_a = dropout_step(gpipe(chunks=4), seed=0)
+    loss_b, grads_b = dropout_step(gpipe(chunks=4), seed=0)
+    loss_c, _ = dropout_step(gpipe(chunks=4), seed=1)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(grads_a),
+                                                 optree.tree_leaves(grads_b)))
+    assert not torch.equal(loss_a, loss_c)
+
+
+def test_dropout_same_masks_under_both_schedules():
+    loss_gpipe, grads_gpipe = dropout_step(gpipe(chunks=4, remat="always"))
+    loss_1f1b, grads_1f1b = dropout_step(one_f_one_b(chunks=4))
+    torch.testing.assert_close(loss_1f1b, loss_gpipe, **TIGHT)
+    assert_trees_close(grads_1f1b, grads_gpipe)
+
+
+def test_caller_generator_advances_by_one_draw_per_step():
+    params = mlp_params(2)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with fpipe.pipeline([dropout_block] * 2, params, schedule=gpipe(chunks=2)) as pipe:
+        torch.manual_seed(7)
+        pipe(x)
+        after_step = torch.rand(3)
+    torch.manual_seed(7)
+    torch.empty((), dtype=torch.int64).random_()
+    assert torch.equal(after_step, torch.rand(3))
+
+
+def test_float32_training_with_torch_optim():
+    """The README's glue: an optimiser over the parameter leaves, grads assigned to .grad."""
+    torch.manual_seed(0)
+    params = mlp_params(4, width=16, dtype=torch.float32)
+    leaves = optree.tree_leaves(params)
+    optimizer = torch.optim.SGD(leaves, lr=0.1)
+    x = torch.randn(32, 16)
+    target = torch.sin(x)
+    losses = []
+    with fpipe.pipeline([block] * 4, params, schedule=one_f_one_b(chunks=4),
+                        loss_fn=mse) as pipe:
+        for _ in range(30):
+            loss, grads = pipe.value_and_grad(x, target)
+            for leaf, grad in zip(leaves, optree.tree_leaves(grads)):
+                leaf.grad = grad
+            optimizer.step()
+            losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
