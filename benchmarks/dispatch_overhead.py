@@ -1,0 +1,62 @@
+"""Driver cost per action: many tiny stages, where the driver's own work dominates.
+
+    python benchmarks/dispatch_overhead.py [--quick] [--json PATH]
+
+16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches. The time of a plain
+(unpipelined) ``torch.func`` loop over the same micro-batches is subtracted, so what remains is
+what the pipeline adds, divided by the number of actions of the program.
+"""
+
+from __future__ import annotations
+
+import torch
+from common import parser, report, seconds_per_call
+from torch.func import grad_and_value
+
+import fpipe
+from fpipe.schedules import gpipe, one_f_one_b
+
+
+def stage(p, x):
+    return torch.tanh(x @ p["w"] + p["b"])
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    torch.manual_seed(0)
+    n_stages, width, batch = 16, 64, 64
+    params = [{"w": torch.randn(width, width) * 0.1, "b": torch.zeros(width)}
+              for _ in range(n_stages)]
+    x, target = torch.randn(batch, width), torch.randn(batch, width)
+
+    def loss_fn(y, t):
+        return torch.nn.functional.mse_loss(y, t)
+
+    def plain(ps, chunks):
+        def loss(ps, xm, tm):
+            h = xm
+            for p in ps:
+                h = stage(p, h)
+            return loss_fn(h, tm)
+        return [grad_and_value(loss)(ps, xm, tm)
+                for xm, tm in zip(x.tensor_split(chunks), target.tensor_split(chunks))]
+
+    repeat = 5 if args.quick else 20
+    rows = []
+    for chunks in ([8, 32] if args.quick else [8, 16, 32, 64]):
+        baseline = seconds_per_call(lambda: plain(params, chunks), repeat)
+        for schedule in (gpipe(chunks=chunks, remat="never"), one_f_one_b(chunks=chunks)):
+            with fpipe.pipeline([stage] * n_stages, params, schedule=schedule,
+                                loss_fn=loss_fn) as pipe:
+                t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
+                actions = sum(len(w) for w in pipe.program.workers)
+            rows.append({"schedule": type(schedule).__name__, "chunks": chunks,
+                         "actions": actions, "step_ms": t * 1e3, "plain_ms": baseline * 1e3,
+                         "us_per_action": (t - baseline) / actions * 1e6})
+    report("fpipe driver overhead per action (16 x Linear(64,64), batch 64)",
+           ["schedule", "chunks", "actions", "step_ms", "plain_ms", "us_per_action"],
+           rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
