@@ -53,7 +53,7 @@ def main() -> None:
              "bound": 1.0, "efficiency": 1.0}]
     for k in args.workers:
         if k > 1:
-            def copies():
+            def copies(k=k):
                 threads = [threading.Thread(target=grad_and_value(whole), args=(params,))
                            for _ in range(k)]
                 for t in threads:

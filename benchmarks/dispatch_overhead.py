@@ -44,7 +44,7 @@ def main() -> None:
     repeat = 5 if args.quick else 20
     rows = []
     for chunks in ([8, 32] if args.quick else [8, 16, 32, 64]):
-        baseline = seconds_per_call(lambda: plain(params, chunks), repeat)
+        baseline = seconds_per_call(lambda chunks=chunks: plain(params, chunks), repeat)
         for schedule in (gpipe(chunks=chunks, remat="never"), one_f_one_b(chunks=chunks)):
             with fpipe.pipeline([stage] * n_stages, params, schedule=schedule,
                                 loss_fn=loss_fn) as pipe:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
 __all__ = ["StepSeed", "RandomStages"]
 
 _MASK64 = (1 << 64) - 1
+_UNSEEDED = nullcontext()
 
 
 def _mix(*values: int) -> int:
@@ -79,12 +80,17 @@ class RandomStages:
         self.locks = [_lock(d) for d in devices]
         self.draws: dict[tuple[int, bool], bool] = {}
 
-    @contextmanager
-    def scope(self, seed: int, stage: int, microbatch: int, training: bool) -> Iterator[None]:
+    def scope(self, seed: int, stage: int, microbatch: int,
+              training: bool) -> AbstractContextManager:
+        """Where (stage, micro-batch) runs: seeded under the lock, unless it never draws."""
         draws = self.draws.get((stage, training))
         if draws is False:
-            yield
-            return
+            return _UNSEEDED
+        return self._seeded(seed, stage, microbatch, training, draws)
+
+    @contextmanager
+    def _seeded(self, seed: int, stage: int, microbatch: int, training: bool,
+                draws: bool | None) -> Iterator[None]:
         generator = _generator(self.devices[stage])
         with self.locks[stage]:
             generator.manual_seed(_mix(seed, stage, microbatch))

@@ -115,6 +115,7 @@ def _serve(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
         except BaseException:  # noqa: S110 - the job has recorded it; the thread must live on
             pass
         finally:
+            job = None  # hold nothing of the finished step (or of its pipeline) while idle
             done.put(None)
 
 

@@ -1,0 +1,71 @@
+"""Workers run concurrently, each on its own thread, without timing anything."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from models import block, mlp_params, mse
+
+import fpipe
+from fpipe.schedules import gpipe, one_f_one_b
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+def test_next_stage_runs_while_the_previous_one_is_busy(make):
+    """Stage 0 on micro-batch 1 blocks until stage 1 has run micro-batch 0: a driver that ran
+    the workers one after the other would never get there (the wait would time out)."""
+    started_next = threading.Event()
+    threads = {}
+
+    def stage0(p, x):
+        threads[0] = threading.get_ident()
+        if x[0, 0] == 1.0:  # micro-batch 1
+            assert started_next.wait(timeout=30), "stage 1 never ran while stage 0 was busy"
+        return block(p, x)
+
+    def stage1(p, x):
+        threads[1] = threading.get_ident()
+        started_next.set()
+        return block(p, x)
+
+    x = torch.tensor([0.0, 1.0], dtype=torch.float64)[:, None].repeat(1, 8)
+    with fpipe.pipeline([stage0, stage1], mlp_params(2), schedule=make(chunks=2),
+                        loss_fn=mse) as pipe:
+        pipe.value_and_grad(x, torch.zeros_like(x))
+    assert threads[0] != threads[1]
+
+
+def test_threads_are_started_once_and_stopped_by_close():
+    before = threading.active_count()
+    pipe = fpipe.pipeline([block] * 4, mlp_params(4), schedule=gpipe(chunks=4), loss_fn=mse)
+    assert threading.active_count() == before  # nothing starts before the first step
+    x = torch.randn(8, 8, dtype=torch.float64)
+    for _ in range(5):
+        pipe.value_and_grad(x, x)
+        pipe(x)
+        assert threading.active_count() == before + 3  # the caller's thread is worker 0
+    pipe.close()
+    assert threading.active_count() == before
+    pipe(x)  # usable again after close
+    pipe.close()
+
+
+def test_one_worker_starts_no_thread():
+    before = threading.active_count()
+    with fpipe.pipeline([block], mlp_params(1), schedule=gpipe(chunks=4), loss_fn=mse) as pipe:
+        pipe.value_and_grad(torch.randn(8, 8, dtype=torch.float64),
+                            torch.randn(8, 8, dtype=torch.float64))
+        assert threading.active_count() == before
+
+
+def test_garbage_collected_pipeline_stops_its_threads():
+    import gc
+    before = threading.active_count()
+    pipe = fpipe.pipeline([block] * 3, mlp_params(3), schedule=gpipe(chunks=2), loss_fn=mse)
+    pipe(torch.randn(4, 8, dtype=torch.float64))
+    assert threading.active_count() == before + 2
+    del pipe
+    gc.collect()
+    assert threading.active_count() == before
