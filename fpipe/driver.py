@@ -1,4 +1,4 @@
-"""The local interpreter: runs a validated program for stages on devices, in one process.
+"""The local interpreter: runs a program for stages on devices, in one process.
 
 The driver knows no particular schedule. Each worker of the program becomes a thread that
 executes its actions in order; activations and cotangents go to the worker that needs them
@@ -19,6 +19,7 @@ from fpipe.autodiff import StageCall, Value
 from fpipe.errors import StageError
 from fpipe.rng import RandomStages, StepSeed
 from fpipe.schedules.actions import Op, Program
+from fpipe.schedules.validate import validate
 from fpipe.stream import Transport
 from fpipe.workers import Aborted, Inbox, WorkerPool
 
@@ -126,12 +127,24 @@ class LocalDriver:
                  for stage, total in enumerate(step.grads)]
         return TrainResult(step.outputs, grads)
 
-    def _run(self, program: Program, training: bool, params: list, inputs: list,
-             targets: list | None, weights: list, sizes: list) -> _Step:
+    def prepare(self, program: Program, training: bool) -> tuple:
+        """Validate and compile ``program`` once; every program is validated before it runs."""
         key = (program, training)
         plan = self._compiled.get(key)
         if plan is None:
-            plan = self._compiled[key] = _compile(program, training)
+            if program.n_stages != len(self.devices):
+                raise ValueError(f"the program is for {program.n_stages} stages but the driver "
+                                 f"has {len(self.devices)}")
+            if program.n_workers != self.pool.n:
+                raise ValueError(f"the program has {program.n_workers} workers but the driver "
+                                 f"has {self.pool.n}")
+            plan = self._compiled[key] = _compile(validate(program, training=training),
+                                                  training)
+        return plan
+
+    def _run(self, program: Program, training: bool, params: list, inputs: list,
+             targets: list | None, weights: list, sizes: list) -> _Step:
+        plan = self.prepare(program, training)
         seed = StepSeed(self.devices)
         step = _Step(len(plan), len(self.devices), params, inputs, targets, weights, sizes,
                      seed.seed, training)

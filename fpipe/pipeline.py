@@ -19,7 +19,6 @@ from fpipe.autodiff import flatten
 from fpipe.driver import LocalDriver
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Program
-from fpipe.schedules.validate import validate
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -91,10 +90,12 @@ class Pipeline:
         if not isinstance(program, Program) or program.n_stages != len(stages):
             raise TypeError(f"schedule.program({len(stages)}) must return a Program for "
                             f"{len(stages)} stages, got {program!r}")
-        self.program = validate(program)
-        self.inference_program = validate(program.forward_only(), training=False)
+        self.program = program
+        self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
                                    program.n_workers, loss_fn)
+        self._driver.prepare(self.program, training=True)
+        self._driver.prepare(self.inference_program, training=False)
 
     @property
     def chunks(self) -> int:

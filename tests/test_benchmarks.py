@@ -1,0 +1,22 @@
+"""Each benchmark's quick mode still runs and writes well-formed JSON (no timing is checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.mark.parametrize("script", ["dispatch_overhead.py", "cpu_scaling.py"])
+def test_quick_mode_writes_json(script, tmp_path):
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],
+                   check=True, timeout=300, capture_output=True, cwd=BENCHMARKS)
+    result = json.loads(out.read_text())
+    assert result["rows"] and result["machine"]["torch"]
+    assert all(isinstance(row, dict) and row for row in result["rows"])
