@@ -42,67 +42,90 @@ def flatten(tree: Any) -> Value:
 
 
 class StageCall:
-    """Runs ``fn(params, x)`` for one stage, on flat leaves.
+    """Runs one stage, ``fn(params, x) -> y``, on flat leaves.
 
-    ``loss_fn`` is given for the last stage of a training program: its forward then returns the
-    micro-batch's loss, scaled by the micro-batch's share of the mini-batch, so that the sum over
-    micro-batches is the mean over the whole batch.
+    A stateful stage is ``fn(params, state, x) -> (y, new_state)``: its state (buffers such as
+    running statistics) is an input and an output, never differentiated. ``loss_fn`` is given
+    for the last stage of a training program: its forward then returns the micro-batch's loss,
+    scaled by the micro-batch's share of the mini-batch, so that the sum over micro-batches is
+    the mean over the whole batch.
     """
 
     def __init__(self, fn: Callable, param_spec: optree.PyTreeSpec, grad_input: bool,
-                 loss_fn: Callable | None = None) -> None:
+                 loss_fn: Callable | None = None, stateful: bool = False) -> None:
         self.fn = fn
         self.param_spec = param_spec
         self.grad_input = grad_input
         self.loss_fn = loss_fn
+        self.stateful = stateful
 
-    def forward(self, params: list, x: Value, target: Any = None,
-                weight: float = 1.0) -> Value | torch.Tensor:
-        """The output (or the scaled loss), with no graph kept: for inference and for forwards
-        that will be recomputed."""
+    def forward(self, params: list, x: Value, state: Any = None, target: Any = None,
+                weight: float = 1.0) -> tuple[Value | torch.Tensor, Any]:
+        """The output (or the scaled loss) and the new state, with no graph kept: for inference
+        and for forwards that will be recomputed."""
         with torch.no_grad():
-            y = self.fn(optree.tree_unflatten(self.param_spec, params), x.tree())
-            return self._loss(y, target, weight) if self.loss_fn is not None else flatten(y)
+            y, new_state = self._apply(optree.tree_unflatten(self.param_spec, params), state,
+                                       x.tree(), target, weight)
+        return (y if self.loss_fn is not None else flatten(y)), new_state
 
-    def forward_vjp(self, params: list, x: Value, target: Any = None,
-                    weight: float = 1.0) -> tuple[Value | torch.Tensor, Callable]:
-        """The output (or scaled loss) and the function mapping its cotangent to
-        ``(param_grads, input_grads)``, both lists of leaves."""
+    def forward_vjp(self, params: list, x: Value, state: Any = None, target: Any = None,
+                    weight: float = 1.0) -> tuple[Value | torch.Tensor, Any, Callable]:
+        """The output (or scaled loss), the new state, and the function mapping the output's
+        cotangent to ``(param_grads, input_grads)``, both lists of leaves."""
         index = x.grad_index if self.grad_input else ()
         leaves = x.leaves
-        structure: list = []
+        side: list = []  # what leaves the transform beside the differentiated outputs
 
         def flat(param_leaves: list, grad_leaves: list):
             full = list(leaves)
             for i, leaf in zip(index, grad_leaves):
                 full[i] = leaf
-            y = self.fn(optree.tree_unflatten(self.param_spec, param_leaves),
-                        optree.tree_unflatten(x.spec, full))
-            if self.loss_fn is not None:
-                return [self._loss(y, target, weight)], []
-            out = flatten(y)
-            structure.append(out)
-            grads = [out.leaves[i] for i in out.grad_index]
-            if not grads:
-                raise TypeError(
-                    "the stage returned no floating-point tensor, so no gradient can flow "
-                    "back through it"
-                )
+            y, new_state = self._apply(optree.tree_unflatten(self.param_spec, param_leaves),
+                                       state, optree.tree_unflatten(x.spec, full), target,
+                                       weight)
+            state_leaves, state_spec = optree.tree_flatten(new_state)
             # Tensors that carry no gradient leave the transform as aux, which unwraps them.
-            kept = [i for i, leaf in enumerate(out.leaves)
-                    if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
-            structure.append(kept)
-            return grads, [out.leaves[i] for i in kept]
+            state_kept = [i for i, leaf in enumerate(state_leaves)
+                          if isinstance(leaf, torch.Tensor)]
+            if self.loss_fn is not None:
+                out, kept, grads = None, [], [y]
+            else:
+                out = flatten(y)
+                grads = [out.leaves[i] for i in out.grad_index]
+                if not grads:
+                    raise TypeError("the stage returned no floating-point tensor, so no "
+                                    "gradient can flow back through it")
+                kept = [i for i, leaf in enumerate(out.leaves)
+                        if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
+            side.extend((out, kept, state_leaves, state_spec, state_kept))
+            return grads, ([out.leaves[i] for i in kept] + [state_leaves[i] for i in state_kept])
 
         primals, vjp_fn, aux = vjp(flat, params, [leaves[i] for i in index], has_aux=True)
-        if self.loss_fn is not None:
-            return primals[0], vjp_fn
-        out, kept = structure
+        out, kept, state_leaves, state_spec, state_kept = side
+        for i, leaf in zip(kept, aux[:len(kept)]):
+            out.leaves[i] = leaf
+        for i, leaf in zip(state_kept, aux[len(kept):]):
+            state_leaves[i] = leaf
+        new_state = optree.tree_unflatten(state_spec, state_leaves)
+        if out is None:
+            return primals[0], new_state, vjp_fn
         for i, leaf in zip(out.grad_index, primals):
             out.leaves[i] = leaf
-        for i, leaf in zip(kept, aux):
-            out.leaves[i] = leaf
-        return out, vjp_fn
+        return out, new_state, vjp_fn
+
+    def _apply(self, params: Any, state: Any, x: Any, target: Any,
+               weight: float) -> tuple[Any, Any]:
+        if self.stateful:
+            result = self.fn(params, state, x)
+            if not isinstance(result, tuple) or len(result) != 2:
+                raise TypeError(f"a stateful stage must return (y, new_state), got "
+                                f"{type(result).__name__}")
+            y, new_state = result
+        else:
+            y, new_state = self.fn(params, x), None
+        if self.loss_fn is not None:
+            y = self._loss(y, target, weight)
+        return y, new_state
 
     def _loss(self, y: Any, target: Any, weight: float) -> torch.Tensor:
         loss = self.loss_fn(y, target)

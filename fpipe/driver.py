@@ -17,6 +17,7 @@ import torch
 
 from fpipe.autodiff import StageCall, Value
 from fpipe.errors import StageError
+from fpipe.recompute import recomputing
 from fpipe.rng import RandomStages, StepSeed
 from fpipe.schedules.actions import Op, Program
 from fpipe.schedules.validate import validate
@@ -49,33 +50,35 @@ def _compile(program: Program, training: bool) -> tuple[tuple[tuple[int, int, in
 
 
 class TrainResult:
-    """Loss parts per micro-batch (already weighted) and flat gradient leaves per stage."""
+    """Loss parts per micro-batch (already weighted), flat gradient leaves per stage, and each
+    stage's state after the step (``None`` for stateless stages)."""
 
-    __slots__ = ("losses", "grads")
+    __slots__ = ("losses", "grads", "state")
 
-    def __init__(self, losses: list, grads: list) -> None:
+    def __init__(self, losses: list, grads: list, state: list) -> None:
         self.losses = losses
         self.grads = grads
+        self.state = state
 
 
 class _Step:
     """Everything one step's workers share; dropped when the step ends."""
 
-    def __init__(self, n_workers: int, n_stages: int, params: list, inputs: list,
-                 targets: list | None, weights: list, sizes: list, seed: int,
-                 training: bool) -> None:
+    def __init__(self, n_workers: int, params: list, state: list, inputs: list,
+                 targets: list | None, weights: list, sizes: list, training: bool) -> None:
         self.inboxes = [Inbox() for _ in range(n_workers)]
         self.params = params
+        self.state = list(state)
         self.inputs = inputs
         self.targets = targets
         self.weights = weights
         self.sizes = sizes
-        self.seed = seed
+        self.seed = 0  # drawn when the step starts (fpipe.rng.StepSeed)
         self.training = training
-        self.saved: dict[tuple[int, int], Value] = {}
+        self.saved: dict[tuple[int, int], tuple[Value, Any]] = {}
         self.vjps: dict[tuple[int, int], Callable] = {}
         self.pending_weight_grads: dict[tuple[int, int], list] = {}
-        self.grads: list = [None] * n_stages
+        self.grads: list = [None] * len(params)
         self.owned_grads: set[int] = set()
         self.outputs: list = [None] * len(inputs)
         self.error: BaseException | None = None
@@ -97,13 +100,15 @@ class LocalDriver:
 
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
                  devices: Sequence[torch.device], n_workers: int,
-                 loss_fn: Callable | None) -> None:
+                 loss_fn: Callable | None, stateful: bool = False) -> None:
         n = len(stages)
         self.devices = list(devices)
-        self.inference_calls = [StageCall(fn, spec, grad_input=False)
+        self.stateful = stateful
+        self.inference_calls = [StageCall(fn, spec, grad_input=False, stateful=stateful)
                                 for fn, spec in zip(stages, param_specs)]
         self.training_calls = [
-            StageCall(fn, spec, grad_input=s > 0, loss_fn=loss_fn if s == n - 1 else None)
+            StageCall(fn, spec, grad_input=s > 0, loss_fn=loss_fn if s == n - 1 else None,
+                      stateful=stateful)
             for s, (fn, spec) in enumerate(zip(stages, param_specs))
         ]
         self.transport = Transport(self.devices)
@@ -114,18 +119,23 @@ class LocalDriver:
     def close(self) -> None:
         self.pool.close()
 
-    def infer(self, program: Program, params: list, inputs: list[Value],
-              sizes: list[int]) -> list[Any]:
-        """Forward every micro-batch; returns the last stage's outputs, one pytree each."""
-        step = self._run(program, False, params, inputs, None, [1.0] * len(inputs), sizes)
-        return step.outputs
+    def infer(self, program: Program, params: list, state: list, inputs: list[Value],
+              sizes: list[int]) -> tuple[list[Any], list]:
+        """Forward every micro-batch; returns the last stage's outputs, one pytree each, and
+        each stage's state after the last micro-batch."""
+        step = _Step(program.n_workers, params, state, inputs, None, [1.0] * len(inputs), sizes,
+                     training=False)
+        self._run(program, step)
+        return step.outputs, step.state
 
-    def train(self, program: Program, params: list, inputs: list[Value], targets: list,
-              weights: list[float], sizes: list[int]) -> TrainResult:
-        step = self._run(program, True, params, inputs, targets, weights, sizes)
+    def train(self, program: Program, params: list, state: list, inputs: list[Value],
+              targets: list, weights: list[float], sizes: list[int]) -> TrainResult:
+        step = _Step(program.n_workers, params, state, inputs, targets, weights, sizes,
+                     training=True)
+        self._run(program, step)
         grads = [total if stage in step.owned_grads else [g.clone() for g in total]
                  for stage, total in enumerate(step.grads)]
-        return TrainResult(step.outputs, grads)
+        return TrainResult(step.outputs, grads, step.state)
 
     def prepare(self, program: Program, training: bool) -> tuple:
         """Validate and compile ``program`` once; every program is validated before it runs."""
@@ -138,16 +148,16 @@ class LocalDriver:
             if program.n_workers != self.pool.n:
                 raise ValueError(f"the program has {program.n_workers} workers but the driver "
                                  f"has {self.pool.n}")
-            plan = self._compiled[key] = _compile(validate(program, training=training),
-                                                  training)
+            validate(program, training=training)
+            if self.stateful:
+                _check_forward_order(program)
+            plan = self._compiled[key] = _compile(program, training)
         return plan
 
-    def _run(self, program: Program, training: bool, params: list, inputs: list,
-             targets: list | None, weights: list, sizes: list) -> _Step:
-        plan = self.prepare(program, training)
+    def _run(self, program: Program, step: _Step) -> None:
+        plan = self.prepare(program, step.training)
         seed = StepSeed(self.devices)
-        step = _Step(len(plan), len(self.devices), params, inputs, targets, weights, sizes,
-                     seed.seed, training)
+        step.seed = seed.seed
         owners = program.placement
         jobs = [self._job(step, w, plan[w], owners) for w in range(len(plan))]
         self.transport.begin_step()
@@ -158,7 +168,6 @@ class LocalDriver:
             seed.restore()
         if step.error is not None:
             raise step.error
-        return step
 
     def _job(self, step: _Step, worker: int, actions: tuple,
              owners: tuple) -> Callable[[], None]:
@@ -186,15 +195,17 @@ class LocalDriver:
                         x = self._receive(inbox, ("x", stage, microbatch), device)
                     target = step.targets[microbatch] if step.targets is not None else None
                     weight = step.weights[microbatch]
+                    state = step.state[stage]
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
                                                                  step.training):
                         if code == _KEPT:
-                            out, step.vjps[key] = call.forward_vjp(
-                                step.params[stage], x, target, weight)
+                            out, step.state[stage], step.vjps[key] = call.forward_vjp(
+                                step.params[stage], x, state, target, weight)
                         else:
-                            out = call.forward(step.params[stage], x, target, weight)
+                            out, step.state[stage] = call.forward(
+                                step.params[stage], x, state, target, weight)
                     if code == _DROPPED and step.training:
-                        step.saved[key] = x
+                        step.saved[key] = (x, state)
                     if stage == last:
                         step.outputs[microbatch] = out if step.training else out.tree()
                     else:
@@ -202,11 +213,12 @@ class LocalDriver:
                         self._send(step, owners, out.leaves, device, stage + 1,
                                    ("x", stage + 1, microbatch), out)
                 elif code == _RECOMPUTE:
-                    x = step.saved.pop(key)
+                    # The state the forward saw, again; the state it returns is dropped.
+                    x, state = step.saved.pop(key)
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 True):
-                        _, step.vjps[key] = call.forward_vjp(
-                            step.params[stage], x,
+                                                                 True), recomputing():
+                        *_, step.vjps[key] = call.forward_vjp(
+                            step.params[stage], x, state,
                             step.targets[microbatch] if stage == last else None,
                             step.weights[microbatch])
                 elif code == _BACKWARD_WEIGHT:
@@ -255,6 +267,20 @@ class LocalDriver:
         else:
             for acc, grad in zip(total, grads):
                 acc.add_(grad)
+
+
+def _check_forward_order(program: Program) -> None:
+    """State flows from one micro-batch's forward to the next, so they must run in order."""
+    for worker, actions in enumerate(program.workers):
+        last: dict[int, int] = {}
+        for action in actions:
+            if action.op is Op.FORWARD:
+                if last.get(action.stage, -1) > action.microbatch:
+                    raise ValueError(
+                        f"stateful stages need their forwards in micro-batch order, but worker "
+                        f"{worker} runs {action} after {action.stage}F{last[action.stage]}"
+                    )
+                last[action.stage] = action.microbatch
 
 
 def _check_output(out: Value, size: int) -> None:

@@ -27,7 +27,8 @@ Stage = Callable[[Any, Any], Any]
 
 def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-             devices: Sequence[torch.device | str] | None = None) -> Pipeline:
+             devices: Sequence[torch.device | str] | None = None,
+             state: Sequence[Any] | None = None) -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -40,8 +41,14 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             needed for :meth:`Pipeline.value_and_grad`.
         devices: the device of each stage. Without it, a stage's device is that of its
             parameters (a stage without parameters takes its neighbour's, or the CPU).
+        state: for stages with state (buffers such as BatchNorm's running statistics), one
+            pytree per stage. Every stage is then ``stage(params, state, x) -> (y, new_state)``
+            and must not change ``state`` in place. Each stage's state flows through its
+            forwards in micro-batch order (a recompute sees what its forward saw), and calls
+            return the state after the last micro-batch.
     """
-    return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices)
+    return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
+                    state=state)
 
 
 class Pipeline:
@@ -52,13 +59,18 @@ class Pipeline:
     batch and gradients shaped like ``params``. Both take ``params=`` to run the same pipeline
     with other parameters of the same structure, e.g. after an optimiser step.
 
+    A pipeline built with ``state=`` is :attr:`stateful`: its calls take ``state=`` (by
+    default the state it was built with) and also return the new state: ``y, state = pipe(x)``
+    and ``loss, grads, state = pipe.value_and_grad(x, target)``.
+
     Worker threads are started on the first multi-worker step and kept; ``close()`` (or a
     ``with`` block) stops them, as does garbage collection of the pipeline.
     """
 
     def __init__(self, stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
                  loss_fn: Callable | None = None,
-                 devices: Sequence[torch.device | str] | None = None) -> None:
+                 devices: Sequence[torch.device | str] | None = None,
+                 state: Sequence[Any] | None = None) -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
@@ -72,6 +84,9 @@ class Pipeline:
                                 f"stage(params, x) -> y")
         if devices is not None and len(devices) != len(stages):
             raise ValueError(f"got {len(stages)} stages but {len(devices)} devices")
+        if state is not None and len(state) != len(stages):
+            raise ValueError(f"got {len(stages)} stages but {len(state)} state pytrees: give "
+                             f"one per stage (an empty dict for a stage without state)")
         if not hasattr(schedule, "program"):
             raise TypeError(f"schedule must be a schedule value such as gpipe(chunks=8) or a "
                             f"Program, got {type(schedule).__name__}")
@@ -85,6 +100,7 @@ class Pipeline:
         self.params = params
         self.param_specs = tuple(optree.tree_structure(p) for p in params)
         self._check_params(params)
+        self.state = None if state is None else self._checked_state(state)
 
         program = schedule.program(len(stages))
         if not isinstance(program, Program) or program.n_stages != len(stages):
@@ -93,7 +109,7 @@ class Pipeline:
         self.program = program
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
-                                   program.n_workers, loss_fn)
+                                   program.n_workers, loss_fn, stateful=self.stateful)
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
 
@@ -101,22 +117,35 @@ class Pipeline:
     def chunks(self) -> int:
         return self.program.n_microbatches
 
-    def __call__(self, x: Any, *, params: Sequence[Any] | None = None) -> Any:
+    @property
+    def stateful(self) -> bool:
+        """Whether the stages carry state (the pipeline was built with ``state=``)."""
+        return self.state is not None
+
+    def __call__(self, x: Any, *, params: Sequence[Any] | None = None,
+                 state: Sequence[Any] | None = None) -> Any:
+        """The last stage's output for the whole batch, forward only (and the new state, for
+        a stateful pipeline)."""
         leaves = self._param_leaves(params)
+        states = self._state(state)
+        n = microbatch.batch_size(x, "input")
         inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
-        n = microbatch.batch_size(x)
-        outputs = self._driver.infer(self.inference_program, leaves,
-                                     [flatten(mb) for mb in inputs],
-                                     microbatch.sizes(n, self.chunks))
-        return microbatch.join(outputs)
+        outputs, new_state = self._driver.infer(self.inference_program, leaves, states,
+                                                [flatten(mb) for mb in inputs],
+                                                microbatch.sizes(n, self.chunks))
+        y = microbatch.join(outputs)
+        return (y, new_state) if self.stateful else y
 
     def value_and_grad(self, x: Any, target: Any = None, *,
-                       params: Sequence[Any] | None = None) -> tuple[torch.Tensor, list]:
+                       params: Sequence[Any] | None = None,
+                       state: Sequence[Any] | None = None) -> tuple:
         """The mean loss over the batch and its gradient with respect to every stage's
-        parameters, as a list of pytrees shaped like ``params``."""
+        parameters, as a list of pytrees shaped like ``params`` (and the new state, for a
+        stateful pipeline)."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
         leaves = self._param_leaves(params)
+        states = self._state(state)
         n = microbatch.batch_size(x, "input")
         inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
         if target is None:
@@ -127,12 +156,13 @@ class Pipeline:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(self._to(target, self.devices[-1]), self.chunks, "target")
         sizes = microbatch.sizes(n, self.chunks)
-        result = self._driver.train(self.program, leaves, [flatten(mb) for mb in inputs],
-                                    targets, [size / n for size in sizes], sizes)
+        result = self._driver.train(self.program, leaves, states,
+                                    [flatten(mb) for mb in inputs], targets,
+                                    [size / n for size in sizes], sizes)
         loss = torch.stack(result.losses).sum()
         grads = [optree.tree_unflatten(spec, g)
                  for spec, g in zip(self.param_specs, result.grads)]
-        return loss, grads
+        return (loss, grads, result.state) if self.stateful else (loss, grads)
 
     def close(self) -> None:
         """Stop the worker threads (a later step starts them again)."""
@@ -164,19 +194,42 @@ class Pipeline:
         return [[leaf.detach() if leaf.requires_grad else leaf for leaf in optree.tree_leaves(p)]
                 for p in params]
 
+    def _state(self, state: Sequence[Any] | None) -> list:
+        if not self.stateful:
+            if state is not None:
+                raise ValueError("this pipeline has no state: build it with state=... to pass "
+                                 "state to its stages")
+            return [None] * len(self.stages)
+        if state is None:
+            return self.state
+        if len(state) != len(self.stages):
+            raise ValueError(f"got {len(state)} state pytrees for {len(self.stages)} stages")
+        return self._checked_state(state)
+
+    def _checked_state(self, state: Sequence[Any]) -> list:
+        """State leaves may be any value; its tensors must be on their stage's device."""
+        state = list(state)
+        for s, tree in enumerate(state):
+            self._check_devices(s, tree, "state", "state tensor")
+        return state
+
     def _check_params(self, params: Sequence[Any]) -> None:
         for s, tree in enumerate(params):
-            paths, leaves, _ = optree.tree_flatten_with_path(tree)
-            for path, leaf in zip(paths, leaves):
+            for path, leaf in zip(*optree.tree_flatten_with_path(tree)[:2]):
                 if not isinstance(leaf, torch.Tensor):
                     raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
                                     f"not a tensor: parameter leaves must be tensors")
-                if _device(leaf.device) != self.devices[s]:
-                    raise PlacementError(
-                        f"stage {s} runs on {self.devices[s]} but its parameter "
-                        f"params[{s}]{_path(path)} is on {leaf.device}; fpipe never moves "
-                        f"parameters: place them on the stage's device first"
-                    )
+            self._check_devices(s, tree, "params", "parameter")
+
+    def _check_devices(self, stage: int, tree: Any, name: str, what: str) -> None:
+        paths, leaves, _ = optree.tree_flatten_with_path(tree)
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor) and _device(leaf.device) != self.devices[stage]:
+                raise PlacementError(
+                    f"stage {stage} runs on {self.devices[stage]} but its {what} "
+                    f"{name}[{stage}]{_path(path)} is on {leaf.device}; fpipe never moves "
+                    f"parameters or state: place them on the stage's device first"
+                )
 
     @staticmethod
     def _to(tree: Any, device: torch.device) -> Any:
