@@ -1,0 +1,102 @@
+"""BatchNorm whose running statistics see the whole mini-batch, not each micro-batch.
+
+Plain BatchNorm in a pipeline updates its running statistics once per micro-batch, from that
+micro-batch alone, so a model trained with ``chunks=8`` ends with other statistics than the
+same model trained on whole batches. :class:`DeferredBatchNorm` still normalises each
+micro-batch by its own statistics (the forward and the gradients are those of plain BatchNorm
+on the micro-batch), but only accumulates sums, and updates the running statistics once, when
+the last of the mini-batch's ``chunks`` micro-batches has passed: as one whole-batch pass would.
+
+It is an ``nn.Module`` whose accumulators are buffers, so as a pipeline stage's state it flows
+through the forwards in micro-batch order, and a recompute (which sees the state its forward
+saw, and whose new state is dropped) never counts a micro-batch twice.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DeferredBatchNorm"]
+
+
+class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Normalise per micro-batch; update running statistics once per ``chunks`` micro-batches.
+
+    Works for inputs of BatchNorm1d, 2d and 3d (channels on dim 1). Sums are accumulated in
+    the buffers' dtype.
+    """
+
+    def __init__(self, num_features: int, chunks: int, eps: float = 1e-5,
+                 momentum: float | None = 0.1, affine: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True,
+                         device=device, dtype=dtype)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+        self.chunks = chunks
+        factory = {"device": device, "dtype": dtype}
+        self.register_buffer("sum", torch.zeros(num_features, **factory))
+        self.register_buffer("sum_squares", torch.zeros(num_features, **factory))
+        self.register_buffer("count", torch.zeros((), **factory))
+        self.register_buffer("tracked", torch.zeros((), dtype=torch.long, device=device))
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected an input with channels on dim 1, got shape "
+                             f"{tuple(x.shape)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        dims = [0, *range(2, x.dim())]
+        with torch.no_grad():
+            self.sum.add_(x.sum(dims))
+            self.sum_squares.add_((x * x).sum(dims))
+            self.count.add_(x.numel() // x.shape[1])
+            self.tracked.add_(1)
+            if int(self.tracked) >= self.chunks:
+                self._commit()
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    def _commit(self) -> None:
+        mean = self.sum / self.count
+        var = (self.sum_squares / self.count - mean * mean).clamp_min(0)
+        unbiased = var * (self.count / (self.count - 1).clamp_min(1))
+        self.num_batches_tracked.add_(1)
+        momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                    else self.momentum)
+        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+        for buffer in (self.sum, self.sum_squares, self.count, self.tracked):
+            buffer.zero_()
+
+    @classmethod
+    def convert(cls, module: nn.Module, chunks: int) -> nn.Module:
+        """``module`` with every BatchNorm1d/2d/3d replaced by a DeferredBatchNorm that has the
+        same parameters and running statistics (the module itself is not changed)."""
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            if not module.track_running_stats:
+                return module
+            new = cls(module.num_features, chunks, module.eps, module.momentum, module.affine,
+                      device=module.running_mean.device, dtype=module.running_mean.dtype)
+            with torch.no_grad():
+                if module.affine:
+                    new.weight.copy_(module.weight)
+                    new.bias.copy_(module.bias)
+                new.running_mean.copy_(module.running_mean)
+                new.running_var.copy_(module.running_var)
+                new.num_batches_tracked.copy_(module.num_batches_tracked)
+            new.train(module.training)
+            return new
+        converted = copy.copy(module)  # shares tensors, not the registries below
+        converted._parameters = dict(module._parameters)
+        converted._buffers = dict(module._buffers)
+        converted._modules = {name: None if child is None else cls.convert(child, chunks)
+                              for name, child in module._modules.items()}
+        return converted
