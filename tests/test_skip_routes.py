@@ -1,0 +1,48 @@
+"""Skip declarations are checked before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from fpipe.stages.skip import SkipError, skip_routes, skippable
+
+
+def plain(p, x):
+    return x
+
+
+def test_routes_of_a_unet():
+    stages = [skippable(plain, stash=["a"]), skippable(plain, stash=["b"]), plain,
+              skippable(plain, pop=["b"]), skippable(plain, pop=["a"], stash=["c"]),
+              skippable(plain, pop=["c"])]
+    assert skip_routes(stages) == {"a": (0, 4), "b": (1, 3), "c": (4, 5)}
+    assert skip_routes([plain, plain]) == {}
+
+
+@pytest.mark.parametrize("stages, message", [
+    ([skippable(plain, pop=["a"]), skippable(plain, stash=["a"])],
+     "'a' is popped by stage 0 before it is stashed: it is stashed only later, by stage 1"),
+    ([plain, skippable(plain, pop=["a"])], "no stage stashes it"),
+    ([skippable(plain, stash=["a"]), plain], "'a' is stashed by stage 0 but no later stage pops"),
+    ([skippable(plain, stash=["a"]), skippable(plain, stash=["a"]), skippable(plain, pop=["a"])],
+     "stashed by stage 0 and again by stage 1"),
+    ([skippable(plain, stash=["a"]), skippable(plain, pop=["a"]), skippable(plain, pop=["a"])],
+     "popped by stage 1 and again by stage 2"),
+])
+def test_bad_routes_are_named(stages, message):
+    with pytest.raises(SkipError, match=message):
+        skip_routes(stages)
+
+
+def test_bad_declarations():
+    with pytest.raises(SkipError, match="cannot stash and pop the same skip"):
+        skippable(plain, stash=["a"], pop=["a"])
+    with pytest.raises(TypeError, match="not the string 'ab'"):
+        skippable(plain, stash="ab")
+    with pytest.raises(SkipError, match="names a skip twice"):
+        skippable(plain, pop=["a", "a"])
+
+    @skippable(stash=["z", "y"])
+    def decorated(p, x):
+        return x, {}
+    assert decorated.stash == ("y", "z") and decorated.pop == ()
