@@ -45,87 +45,115 @@ class StageCall:
     """Runs one stage, ``fn(params, x) -> y``, on flat leaves.
 
     A stateful stage is ``fn(params, state, x) -> (y, new_state)``: its state (buffers such as
-    running statistics) is an input and an output, never differentiated. ``loss_fn`` is given
-    for the last stage of a training program: its forward then returns the micro-batch's loss,
-    scaled by the micro-batch's share of the mini-batch, so that the sum over micro-batches is
-    the mean over the whole batch.
+    running statistics) is an input and an output, never differentiated. A stage that pops
+    skips takes them as a last argument, a dict by name; one that stashes skips returns
+    ``(y, {name: value})`` (inside the ``(…, new_state)`` pair when stateful). Outputs are then
+    ``[y, *stashed values in the order of stashes]`` and inputs ``(x, *popped values)``.
+
+    ``loss_fn`` is given for the last stage of a training program: its forward then returns the
+    micro-batch's loss, scaled by the micro-batch's share of the mini-batch, so that the sum over
+    micro-batches is the mean over the whole batch.
     """
 
     def __init__(self, fn: Callable, param_spec: optree.PyTreeSpec, grad_input: bool,
-                 loss_fn: Callable | None = None, stateful: bool = False) -> None:
+                 loss_fn: Callable | None = None, stateful: bool = False,
+                 pops: tuple[str, ...] = (), stashes: tuple[str, ...] = ()) -> None:
         self.fn = fn
         self.param_spec = param_spec
         self.grad_input = grad_input
         self.loss_fn = loss_fn
         self.stateful = stateful
+        self.pops = pops
+        self.stashes = stashes
 
-    def forward(self, params: list, x: Value, state: Any = None, target: Any = None,
-                weight: float = 1.0) -> tuple[Value | torch.Tensor, Any]:
-        """The output (or the scaled loss) and the new state, with no graph kept: for inference
-        and for forwards that will be recomputed."""
+    def forward(self, params: list, x: Value, state: Any = None, popped: tuple = (),
+                target: Any = None, weight: float = 1.0) -> tuple[Any, Any]:
+        """The outputs (or the scaled loss) and the new state, with no graph kept: for
+        inference and for forwards that will be recomputed."""
         with torch.no_grad():
-            y, new_state = self._apply(optree.tree_unflatten(self.param_spec, params), state,
-                                       x.tree(), target, weight)
-        return (y if self.loss_fn is not None else flatten(y)), new_state
+            y, stashed, new_state = self._apply(
+                optree.tree_unflatten(self.param_spec, params), state, x.tree(),
+                tuple(value.tree() for value in popped), target, weight)
+        if self.loss_fn is not None:
+            return y, new_state
+        return [flatten(y), *(flatten(value) for value in stashed)], new_state
 
-    def forward_vjp(self, params: list, x: Value, state: Any = None, target: Any = None,
-                    weight: float = 1.0) -> tuple[Value | torch.Tensor, Any, Callable]:
-        """The output (or scaled loss), the new state, and the function mapping the output's
-        cotangent to ``(param_grads, input_grads)``, both lists of leaves."""
-        index = x.grad_index if self.grad_input else ()
-        leaves = x.leaves
+    def forward_vjp(self, params: list, x: Value, state: Any = None, popped: tuple = (),
+                    target: Any = None, weight: float = 1.0) -> tuple[Any, Any, Callable]:
+        """The outputs (or scaled loss), the new state, and the function mapping the outputs'
+        cotangents to ``(param_grads, input_grads)``, lists of leaves in output and input
+        order."""
+        inputs = (x, *popped)
+        index = [value.grad_index if self.grad_input else () for value in inputs]
         side: list = []  # what leaves the transform beside the differentiated outputs
 
         def flat(param_leaves: list, grad_leaves: list):
-            full = list(leaves)
-            for i, leaf in zip(index, grad_leaves):
-                full[i] = leaf
-            y, new_state = self._apply(optree.tree_unflatten(self.param_spec, param_leaves),
-                                       state, optree.tree_unflatten(x.spec, full), target,
-                                       weight)
+            grads_in = iter(grad_leaves)
+            trees = []
+            for value, where in zip(inputs, index):
+                full = list(value.leaves)
+                for i in where:
+                    full[i] = next(grads_in)
+                trees.append(optree.tree_unflatten(value.spec, full))
+            y, stashed, new_state = self._apply(
+                optree.tree_unflatten(self.param_spec, param_leaves), state, trees[0],
+                tuple(trees[1:]), target, weight)
             state_leaves, state_spec = optree.tree_flatten(new_state)
             # Tensors that carry no gradient leave the transform as aux, which unwraps them.
             state_kept = [i for i, leaf in enumerate(state_leaves)
                           if isinstance(leaf, torch.Tensor)]
             if self.loss_fn is not None:
-                out, kept, grads = None, [], [y]
+                outs, kept, grads = None, [], [y]
             else:
-                out = flatten(y)
-                grads = [out.leaves[i] for i in out.grad_index]
+                outs = [flatten(y), *(flatten(value) for value in stashed)]
+                grads = [out.leaves[i] for out in outs for i in out.grad_index]
                 if not grads:
                     raise TypeError("the stage returned no floating-point tensor, so no "
                                     "gradient can flow back through it")
-                kept = [i for i, leaf in enumerate(out.leaves)
+                kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
                         if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
-            side.extend((out, kept, state_leaves, state_spec, state_kept))
-            return grads, ([out.leaves[i] for i in kept] + [state_leaves[i] for i in state_kept])
+            side.extend((outs, kept, state_leaves, state_spec, state_kept))
+            return grads, ([outs[k].leaves[i] for k, i in kept]
+                           + [state_leaves[i] for i in state_kept])
 
-        primals, vjp_fn, aux = vjp(flat, params, [leaves[i] for i in index], has_aux=True)
-        out, kept, state_leaves, state_spec, state_kept = side
-        for i, leaf in zip(kept, aux[:len(kept)]):
-            out.leaves[i] = leaf
+        primals, vjp_fn, aux = vjp(
+            flat, params,
+            [value.leaves[i] for value, where in zip(inputs, index) for i in where],
+            has_aux=True)
+        outs, kept, state_leaves, state_spec, state_kept = side
+        for (k, i), leaf in zip(kept, aux[:len(kept)]):
+            outs[k].leaves[i] = leaf
         for i, leaf in zip(state_kept, aux[len(kept):]):
             state_leaves[i] = leaf
         new_state = optree.tree_unflatten(state_spec, state_leaves)
-        if out is None:
+        if outs is None:
             return primals[0], new_state, vjp_fn
-        for i, leaf in zip(out.grad_index, primals):
-            out.leaves[i] = leaf
-        return out, new_state, vjp_fn
+        primal = iter(primals)
+        for out in outs:
+            for i in out.grad_index:
+                out.leaves[i] = next(primal)
+        return outs, new_state, vjp_fn
 
-    def _apply(self, params: Any, state: Any, x: Any, target: Any,
-               weight: float) -> tuple[Any, Any]:
+    def _apply(self, params: Any, state: Any, x: Any, popped: tuple, target: Any,
+               weight: float) -> tuple[Any, tuple, Any]:
+        """Call the stage (and the loss): ``(y or loss, stashed values, new state)``."""
+        args = (params, state, x) if self.stateful else (params, x)
+        if self.pops:
+            args += (dict(zip(self.pops, popped)),)
+        result, new_state = self.fn(*args), None
         if self.stateful:
-            result = self.fn(params, state, x)
-            if not isinstance(result, tuple) or len(result) != 2:
-                raise TypeError(f"a stateful stage must return (y, new_state), got "
-                                f"{type(result).__name__}")
-            y, new_state = result
-        else:
-            y, new_state = self.fn(params, x), None
+            result, new_state = _pair(result, "a stateful stage must return (y, new_state)")
+        stashed: tuple = ()
+        if self.stashes:
+            result, stash = _pair(result, "a stage that stashes skips must return "
+                                          "(y, {name: value})")
+            if not isinstance(stash, dict) or set(stash) != set(self.stashes):
+                got = sorted(stash) if isinstance(stash, dict) else type(stash).__name__
+                raise TypeError(f"the stage must stash exactly {list(self.stashes)}, got {got}")
+            stashed = tuple(stash[name] for name in self.stashes)
         if self.loss_fn is not None:
-            y = self._loss(y, target, weight)
-        return y, new_state
+            result = self._loss(result, target, weight)
+        return result, stashed, new_state
 
     def _loss(self, y: Any, target: Any, weight: float) -> torch.Tensor:
         loss = self.loss_fn(y, target)
@@ -135,3 +163,9 @@ class StageCall:
         if not differentiable(loss):
             raise TypeError(f"loss_fn must return a floating-point tensor, got {loss.dtype}")
         return loss * weight
+
+
+def _pair(result: Any, message: str) -> tuple[Any, Any]:
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(f"{message}, got {type(result).__name__}")
+    return result

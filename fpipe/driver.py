@@ -3,14 +3,20 @@
 The driver knows no particular schedule. Each worker of the program becomes a thread that
 executes its actions in order; activations and cotangents go to the worker that needs them
 through its inbox, crossing devices on copy streams (see :mod:`fpipe.stream`). A program is
-compiled once into per-worker tuples, so a step allocates little beyond the values it carries.
+validated and compiled once into per-worker tuples, so a step allocates little beyond the
+values it carries.
+
+What each action means lives in :class:`Interpreter`, which reaches other workers only through
+a :class:`Channel`; :mod:`fpipe.distributed` runs the same interpreter with a channel over
+``torch.distributed``, so both drivers compute exactly the same thing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import optree
 import torch
@@ -21,16 +27,30 @@ from fpipe.recompute import recomputing
 from fpipe.rng import RandomStages, StepSeed
 from fpipe.schedules.actions import Op, Program
 from fpipe.schedules.validate import validate
+from fpipe.stages.skip import pops, skip_routes, stashes
 from fpipe.stream import Transport
 from fpipe.workers import Aborted, Inbox, WorkerPool
 
-__all__ = ["LocalDriver", "TrainResult"]
+__all__ = ["LocalDriver", "TrainResult", "Interpreter", "Step", "Channel", "compiled"]
 
 # Action codes of a compiled program. A forward is "kept" when its vjp is built at once, and
 # "dropped" when only its input is kept for a later recompute (or, in inference, nothing).
 _KEPT, _DROPPED, _RECOMPUTE, _BACKWARD, _BACKWARD_INPUT, _BACKWARD_WEIGHT = range(6)
 _OP_NAMES = ("forward", "forward", "recompute", "backward", "input-gradient backward",
              "weight-gradient backward")
+
+
+def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
+    """``program`` validated and compiled for training or inference, memoised in ``cache``:
+    every program is validated before it first runs."""
+    key = (program, training)
+    plan = cache.get(key)
+    if plan is None:
+        validate(program, training=training)
+        if stateful:
+            _check_forward_order(program)
+        plan = cache[key] = _compile(program, training)
+    return plan
 
 
 def _compile(program: Program, training: bool) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -49,226 +69,6 @@ def _compile(program: Program, training: bool) -> tuple[tuple[tuple[int, int, in
                  for worker in program.workers)
 
 
-class TrainResult:
-    """Loss parts per micro-batch (already weighted), flat gradient leaves per stage, and each
-    stage's state after the step (``None`` for stateless stages)."""
-
-    __slots__ = ("losses", "grads", "state")
-
-    def __init__(self, losses: list, grads: list, state: list) -> None:
-        self.losses = losses
-        self.grads = grads
-        self.state = state
-
-
-class _Step:
-    """Everything one step's workers share; dropped when the step ends."""
-
-    def __init__(self, n_workers: int, params: list, state: list, inputs: list,
-                 targets: list | None, weights: list, sizes: list, training: bool) -> None:
-        self.inboxes = [Inbox() for _ in range(n_workers)]
-        self.params = params
-        self.state = list(state)
-        self.inputs = inputs
-        self.targets = targets
-        self.weights = weights
-        self.sizes = sizes
-        self.seed = 0  # drawn when the step starts (fpipe.rng.StepSeed)
-        self.training = training
-        self.saved: dict[tuple[int, int], tuple[Value, Any]] = {}
-        self.vjps: dict[tuple[int, int], Callable] = {}
-        self.pending_weight_grads: dict[tuple[int, int], list] = {}
-        self.grads: list = [None] * len(params)
-        self.owned_grads: set[int] = set()
-        self.outputs: list = [None] * len(inputs)
-        self.error: BaseException | None = None
-        self._error_lock = threading.Lock()
-
-    def fail(self, error: BaseException) -> None:
-        with self._error_lock:
-            if self.error is None:
-                self.error = error
-        self.abort()
-
-    def abort(self) -> None:
-        for inbox in self.inboxes:
-            inbox.abort()
-
-
-class LocalDriver:
-    """Runs programs for ``stages`` placed on ``devices`` with one thread per worker."""
-
-    def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
-                 devices: Sequence[torch.device], n_workers: int,
-                 loss_fn: Callable | None, stateful: bool = False) -> None:
-        n = len(stages)
-        self.devices = list(devices)
-        self.stateful = stateful
-        self.inference_calls = [StageCall(fn, spec, grad_input=False, stateful=stateful)
-                                for fn, spec in zip(stages, param_specs)]
-        self.training_calls = [
-            StageCall(fn, spec, grad_input=s > 0, loss_fn=loss_fn if s == n - 1 else None,
-                      stateful=stateful)
-            for s, (fn, spec) in enumerate(zip(stages, param_specs))
-        ]
-        self.transport = Transport(self.devices)
-        self.random = RandomStages(self.devices)
-        self.pool = WorkerPool(n_workers)
-        self._compiled: dict[tuple[Program, bool], tuple] = {}
-
-    def close(self) -> None:
-        self.pool.close()
-
-    def infer(self, program: Program, params: list, state: list, inputs: list[Value],
-              sizes: list[int]) -> tuple[list[Any], list]:
-        """Forward every micro-batch; returns the last stage's outputs, one pytree each, and
-        each stage's state after the last micro-batch."""
-        step = _Step(program.n_workers, params, state, inputs, None, [1.0] * len(inputs), sizes,
-                     training=False)
-        self._run(program, step)
-        return step.outputs, step.state
-
-    def train(self, program: Program, params: list, state: list, inputs: list[Value],
-              targets: list, weights: list[float], sizes: list[int]) -> TrainResult:
-        step = _Step(program.n_workers, params, state, inputs, targets, weights, sizes,
-                     training=True)
-        self._run(program, step)
-        grads = [total if stage in step.owned_grads else [g.clone() for g in total]
-                 for stage, total in enumerate(step.grads)]
-        return TrainResult(step.outputs, grads, step.state)
-
-    def prepare(self, program: Program, training: bool) -> tuple:
-        """Validate and compile ``program`` once; every program is validated before it runs."""
-        key = (program, training)
-        plan = self._compiled.get(key)
-        if plan is None:
-            if program.n_stages != len(self.devices):
-                raise ValueError(f"the program is for {program.n_stages} stages but the driver "
-                                 f"has {len(self.devices)}")
-            if program.n_workers != self.pool.n:
-                raise ValueError(f"the program has {program.n_workers} workers but the driver "
-                                 f"has {self.pool.n}")
-            validate(program, training=training)
-            if self.stateful:
-                _check_forward_order(program)
-            plan = self._compiled[key] = _compile(program, training)
-        return plan
-
-    def _run(self, program: Program, step: _Step) -> None:
-        plan = self.prepare(program, step.training)
-        seed = StepSeed(self.devices)
-        step.seed = seed.seed
-        owners = program.placement
-        jobs = [self._job(step, w, plan[w], owners) for w in range(len(plan))]
-        self.transport.begin_step()
-        try:
-            self.pool.run(jobs, step.abort)
-        finally:
-            self.transport.end_step()
-            seed.restore()
-        if step.error is not None:
-            raise step.error
-
-    def _job(self, step: _Step, worker: int, actions: tuple,
-             owners: tuple) -> Callable[[], None]:
-        def job() -> None:
-            # Grad mode is thread-local: set it in every worker, whatever the caller's is.
-            with torch.enable_grad() if step.training else torch.no_grad():
-                self._work(step, step.inboxes[worker], actions, owners)
-        return job
-
-    def _work(self, step: _Step, inbox: Inbox, actions: tuple, owners: tuple) -> None:
-        devices, transport, random = self.devices, self.transport, self.random
-        calls = self.training_calls if step.training else self.inference_calls
-        last = len(devices) - 1
-        code = stage = microbatch = x = None
-        try:
-            for code, stage, microbatch in actions:
-                x = None
-                device = devices[stage]
-                call = calls[stage]
-                key = (stage, microbatch)
-                if code <= _DROPPED:
-                    if stage == 0:
-                        x = step.inputs[microbatch]
-                    else:
-                        x = self._receive(inbox, ("x", stage, microbatch), device)
-                    target = step.targets[microbatch] if step.targets is not None else None
-                    weight = step.weights[microbatch]
-                    state = step.state[stage]
-                    with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 step.training):
-                        if code == _KEPT:
-                            out, step.state[stage], step.vjps[key] = call.forward_vjp(
-                                step.params[stage], x, state, target, weight)
-                        else:
-                            out, step.state[stage] = call.forward(
-                                step.params[stage], x, state, target, weight)
-                    if code == _DROPPED and step.training:
-                        step.saved[key] = (x, state)
-                    if stage == last:
-                        step.outputs[microbatch] = out if step.training else out.tree()
-                    else:
-                        _check_output(out, step.sizes[microbatch])
-                        self._send(step, owners, out.leaves, device, stage + 1,
-                                   ("x", stage + 1, microbatch), out)
-                elif code == _RECOMPUTE:
-                    # The state the forward saw, again; the state it returns is dropped.
-                    x, state = step.saved.pop(key)
-                    with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 True), recomputing():
-                        *_, step.vjps[key] = call.forward_vjp(
-                            step.params[stage], x, state,
-                            step.targets[microbatch] if stage == last else None,
-                            step.weights[microbatch])
-                elif code == _BACKWARD_WEIGHT:
-                    self._accumulate(step, stage, step.pending_weight_grads.pop(key))
-                else:
-                    if stage == last:
-                        cotangent = [torch.ones_like(step.outputs[microbatch])]
-                    else:
-                        cotangent = self._receive(inbox, ("g", stage, microbatch), device)
-                    with transport.compute(device):
-                        param_grads, input_grads = step.vjps.pop(key)(cotangent)
-                    if code == _BACKWARD:
-                        self._accumulate(step, stage, param_grads)
-                    else:
-                        step.pending_weight_grads[key] = param_grads
-                    if stage > 0:
-                        self._send(step, owners, list(input_grads), device, stage - 1,
-                                   ("g", stage - 1, microbatch), None)
-        except Aborted:
-            return
-        except BaseException as exc:
-            step.fail(_stage_error(exc, code, stage, microbatch, x))
-            if not isinstance(exc, Exception):
-                raise
-
-    def _receive(self, inbox: Inbox, key: tuple, device: torch.device) -> Any:
-        item, event, like = inbox.take(key)
-        leaves = self.transport.receive(item, event, device)
-        return leaves if like is None else Value(leaves, like.spec, like.grad_index)
-
-    def _send(self, step: _Step, owners: tuple, leaves: list, src: torch.device, stage: int,
-              key: tuple, like: Value | None) -> None:
-        moved, event = self.transport.send(leaves, src, self.devices[stage])
-        step.inboxes[owners[stage]].put(key, (moved, event, like))
-
-    @staticmethod
-    def _accumulate(step: _Step, stage: int, grads: list) -> None:
-        # A vjp may return views, broadcast (stride-0) tensors, or the very cotangent it was
-        # given: the first sum is out of place, so later ones may add in place.
-        total = step.grads[stage]
-        if total is None:
-            step.grads[stage] = list(grads)
-        elif stage not in step.owned_grads:
-            step.grads[stage] = [acc + grad for acc, grad in zip(total, grads)]
-            step.owned_grads.add(stage)
-        else:
-            for acc, grad in zip(total, grads):
-                acc.add_(grad)
-
-
 def _check_forward_order(program: Program) -> None:
     """State flows from one micro-batch's forward to the next, so they must run in order."""
     for worker, actions in enumerate(program.workers):
@@ -283,16 +83,315 @@ def _check_forward_order(program: Program) -> None:
                 last[action.stage] = action.microbatch
 
 
-def _check_output(out: Value, size: int) -> None:
+class TrainResult:
+    """Loss parts per micro-batch (already weighted), flat gradient leaves per stage, and each
+    stage's state after the step (``None`` for stateless stages)."""
+
+    __slots__ = ("losses", "grads", "state")
+
+    def __init__(self, losses: list, grads: list, state: list) -> None:
+        self.losses = losses
+        self.grads = grads
+        self.state = state
+
+
+class Step:
+    """Everything one step's actions share on one process; dropped when the step ends.
+
+    ``on_abort`` is called once a step has failed, to wake whoever waits for a value (the local
+    driver's inboxes, the distributed driver's peers)."""
+
+    def __init__(self, params: list, state: list, inputs: list | None, targets: list | None,
+                 weights: list, sizes: list, seed: int, training: bool,
+                 on_abort: Callable[[], None]) -> None:
+        self.params = params
+        self.state = list(state)
+        self.inputs = inputs
+        self.targets = targets
+        self.weights = weights
+        self.sizes = sizes
+        self.seed = seed
+        self.training = training
+        # Per (stage, micro-batch): what a recompute needs, and the vjp with its input counts.
+        self.saved: dict[tuple[int, int], tuple] = {}
+        self.vjps: dict[tuple[int, int], tuple[Callable, tuple[int, ...]]] = {}
+        self.pending_weight_grads: dict[tuple[int, int], list] = {}
+        self.grads: list = [None] * len(params)
+        self.owned_grads: set[int] = set()
+        self.outputs: list = [None] * len(sizes)
+        self.error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self._on_abort = on_abort
+
+    def fail(self, error: BaseException) -> None:
+        with self._error_lock:
+            if self.error is None:
+                self.error = error
+        self._on_abort()
+
+    def grads_out(self) -> list:
+        """Per stage, its summed gradient leaves, never aliasing a vjp's own output."""
+        return [total if stage in self.owned_grads or total is None
+                else [g.clone() for g in total]
+                for stage, total in enumerate(self.grads)]
+
+
+class Channel(Protocol):
+    """How one worker's values reach the workers of other stages, and how it waits for theirs.
+
+    Keys are ``("x", stage, microbatch)`` for a stage's input, ``("g", stage, microbatch)`` for
+    the cotangent of its output, ``("s", name, microbatch)`` for a skip's value and
+    ``("t", name, microbatch)`` for its cotangent; ``stage`` in :meth:`send` is the stage the
+    value goes to. Waiting raises :class:`Aborted` once the step has failed.
+    """
+
+    def receive(self, key: tuple, device: torch.device) -> Any: ...
+
+    def send(self, leaves: list, src: torch.device, stage: int, key: tuple,
+             like: Value | None) -> None: ...
+
+
+class Interpreter:
+    """What every action of a compiled program means, for one worker; drivers share it and
+    differ only in their :class:`Channel` and in how they start workers."""
+
+    def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
+                 devices: Sequence[torch.device], loss_fn: Callable | None,
+                 transport: Transport, stateful: bool = False) -> None:
+        n = len(stages)
+        self.devices = list(devices)
+        self.routes = skip_routes(stages)
+
+        def call(s: int, fn: Callable, spec: Any, training: bool) -> StageCall | None:
+            # A ``None`` spec marks a stage this process does not hold (distributed): no call.
+            if spec is None:
+                return None
+            return StageCall(fn, spec, grad_input=training and s > 0,
+                             loss_fn=loss_fn if training and s == n - 1 else None,
+                             stateful=stateful, pops=pops(fn), stashes=stashes(fn))
+
+        self.inference_calls = [call(s, fn, spec, False)
+                                for s, (fn, spec) in enumerate(zip(stages, param_specs))]
+        self.training_calls = [call(s, fn, spec, True)
+                               for s, (fn, spec) in enumerate(zip(stages, param_specs))]
+        self.transport = transport
+        self.random = RandomStages(self.devices)
+
+    def run(self, step: Step, actions: tuple, channel: Channel) -> None:
+        """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail` as a
+        :class:`StageError` naming the stage, op and micro-batch; only interrupts propagate."""
+        # Grad mode is thread-local: set it in every worker, whatever the caller's is.
+        with torch.enable_grad() if step.training else torch.no_grad():
+            self._run(step, actions, channel)
+
+    def _run(self, step: Step, actions: tuple, channel: Channel) -> None:
+        devices, transport, random, routes = self.devices, self.transport, self.random, self.routes
+        calls = self.training_calls if step.training else self.inference_calls
+        last = len(devices) - 1
+        code = stage = microbatch = x = None
+        try:
+            for code, stage, microbatch in actions:
+                x = None
+                device = devices[stage]
+                call = calls[stage]
+                key = (stage, microbatch)
+                if code <= _DROPPED:
+                    if stage == 0:
+                        x = step.inputs[microbatch]
+                    else:
+                        x = channel.receive(("x", stage, microbatch), device)
+                    popped = tuple(channel.receive(("s", name, microbatch), device)
+                                   for name in call.pops)
+                    target = step.targets[microbatch] if step.targets is not None else None
+                    weight = step.weights[microbatch]
+                    state = step.state[stage]
+                    with transport.compute(device), random.scope(step.seed, stage, microbatch,
+                                                                 step.training):
+                        if code == _KEPT:
+                            outs, step.state[stage], vjp_fn = call.forward_vjp(
+                                step.params[stage], x, state, popped, target, weight)
+                            step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
+                        else:
+                            outs, step.state[stage] = call.forward(
+                                step.params[stage], x, state, popped, target, weight)
+                    if code == _DROPPED and step.training:
+                        step.saved[key] = (x, state, popped)
+                    if stage == last:
+                        step.outputs[microbatch] = outs if step.training else outs[0].tree()
+                        continue
+                    size = step.sizes[microbatch]
+                    _check_output(outs[0], size, "output")
+                    channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch),
+                                 outs[0])
+                    for name, value in zip(call.stashes, outs[1:]):
+                        _check_output(value, size, f"stashed skip {name!r}")
+                        channel.send(value.leaves, device, routes[name][1],
+                                     ("s", name, microbatch), value)
+                elif code == _RECOMPUTE:
+                    # The inputs and state the forward saw, again; the new state is dropped.
+                    x, state, popped = step.saved.pop(key)
+                    with transport.compute(device), random.scope(step.seed, stage, microbatch,
+                                                                 True), recomputing():
+                        *_, vjp_fn = call.forward_vjp(
+                            step.params[stage], x, state, popped,
+                            step.targets[microbatch] if stage == last else None,
+                            step.weights[microbatch])
+                    step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
+                elif code == _BACKWARD_WEIGHT:
+                    self.accumulate(step, stage, step.pending_weight_grads.pop(key))
+                else:
+                    if stage == last:
+                        cotangent = [torch.ones_like(step.outputs[microbatch])]
+                    else:
+                        cotangent = list(channel.receive(("g", stage, microbatch), device))
+                    for name in call.stashes:
+                        cotangent += channel.receive(("t", name, microbatch), device)
+                    vjp_fn, counts = step.vjps.pop(key)
+                    with transport.compute(device):
+                        param_grads, input_grads = vjp_fn(cotangent)
+                    if code == _BACKWARD:
+                        self.accumulate(step, stage, param_grads)
+                    else:
+                        step.pending_weight_grads[key] = param_grads
+                    if stage > 0:
+                        # Input gradients in input order: the previous stage's output first,
+                        # then each popped skip's, back to the stage that stashed it.
+                        end = counts[0]
+                        channel.send(list(input_grads[:end]), device, stage - 1,
+                                     ("g", stage - 1, microbatch), None)
+                        for name, count in zip(call.pops, counts[1:]):
+                            channel.send(list(input_grads[end:end + count]), device,
+                                         routes[name][0], ("t", name, microbatch), None)
+                            end += count
+        except Aborted:
+            return
+        except BaseException as exc:
+            step.fail(_stage_error(exc, code, stage, microbatch, x))
+            if not isinstance(exc, Exception):
+                raise
+
+    @staticmethod
+    def accumulate(step: Step, stage: int, grads: list) -> None:
+        # A vjp may return views, broadcast (stride-0) tensors, or the very cotangent it was
+        # given: the first sum is out of place, so later ones may add in place.
+        total = step.grads[stage]
+        if total is None:
+            step.grads[stage] = list(grads)
+        elif stage not in step.owned_grads:
+            step.grads[stage] = [acc + grad for acc, grad in zip(total, grads)]
+            step.owned_grads.add(stage)
+        else:
+            for acc, grad in zip(total, grads):
+                acc.add_(grad)
+
+
+def _grad_counts(call: StageCall, x: Value, popped: tuple[Value, ...]) -> tuple[int, ...]:
+    """How many input gradients the backward returns for ``x`` and for each popped skip."""
+    if not call.grad_input:
+        return ()
+    return (len(x.grad_index), *(len(value.grad_index) for value in popped))
+
+
+class _LocalChannel:
+    """A worker's view of the step: its own inbox, and the inboxes of the stages' workers."""
+
+    __slots__ = ("inboxes", "inbox", "owners", "transport", "devices")
+
+    def __init__(self, inboxes: list[Inbox], worker: int, owners: tuple,
+                 transport: Transport, devices: list[torch.device]) -> None:
+        self.inboxes = inboxes
+        self.inbox = inboxes[worker]
+        self.owners = owners
+        self.transport = transport
+        self.devices = devices
+
+    def receive(self, key: tuple, device: torch.device) -> Any:
+        item, event, like = self.inbox.take(key)
+        leaves = self.transport.receive(item, event, device)
+        return leaves if like is None else Value(leaves, like.spec, like.grad_index)
+
+    def send(self, leaves: list, src: torch.device, stage: int, key: tuple,
+             like: Value | None) -> None:
+        moved, event = self.transport.send(leaves, src, self.devices[stage])
+        self.inboxes[self.owners[stage]].put(key, (moved, event, like))
+
+
+class LocalDriver:
+    """Runs programs for ``stages`` placed on ``devices`` with one thread per worker."""
+
+    def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
+                 devices: Sequence[torch.device], n_workers: int,
+                 loss_fn: Callable | None, stateful: bool = False) -> None:
+        self.devices = list(devices)
+        self.stateful = stateful
+        self.transport = Transport(self.devices)
+        self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
+                                       self.transport, stateful)
+        self.pool = WorkerPool(n_workers)
+        self._compiled: dict[tuple[Program, bool], tuple] = {}
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def prepare(self, program: Program, training: bool) -> tuple:
+        """Validate and compile ``program`` for this driver, once."""
+        if program.n_stages != len(self.devices):
+            raise ValueError(f"the program is for {program.n_stages} stages but the driver "
+                             f"has {len(self.devices)}")
+        if program.n_workers != self.pool.n:
+            raise ValueError(f"the program has {program.n_workers} workers but the driver "
+                             f"has {self.pool.n}")
+        return compiled(self._compiled, program, training, self.stateful)
+
+    def infer(self, program: Program, params: list, state: list, inputs: list[Value],
+              sizes: list[int]) -> tuple[list[Any], list]:
+        """Forward every micro-batch; returns the last stage's outputs, one pytree each, and
+        each stage's state after the last micro-batch."""
+        step = self._run(program, False, params, state, inputs, None, [1.0] * len(inputs),
+                         sizes)
+        return step.outputs, step.state
+
+    def train(self, program: Program, params: list, state: list, inputs: list[Value],
+              targets: list, weights: list[float], sizes: list[int]) -> TrainResult:
+        step = self._run(program, True, params, state, inputs, targets, weights, sizes)
+        return TrainResult(step.outputs, step.grads_out(), step.state)
+
+    def _run(self, program: Program, training: bool, params: list, state: list, inputs: list,
+             targets: list | None, weights: list, sizes: list) -> Step:
+        plan = self.prepare(program, training)
+        seed = StepSeed(self.devices)
+        inboxes = [Inbox() for _ in range(len(plan))]
+
+        def abort() -> None:
+            for inbox in inboxes:
+                inbox.abort()
+
+        step = Step(params, state, inputs, targets, weights, sizes, seed.seed, training, abort)
+        owners = program.placement
+        jobs = [partial(self.interpreter.run, step, plan[w],
+                        _LocalChannel(inboxes, w, owners, self.transport, self.devices))
+                for w in range(len(plan))]
+        self.transport.begin_step()
+        try:
+            self.pool.run(jobs, abort)
+        finally:
+            self.transport.end_step()
+            seed.restore()
+        if step.error is not None:
+            raise step.error
+        return step
+
+
+def _check_output(out: Value, size: int, what: str) -> None:
     tensors = [leaf for leaf in out.leaves if isinstance(leaf, torch.Tensor)]
     if not tensors:
-        raise TypeError(f"the stage returned no tensor (got {out.tree()!r}); a stage must return "
-                        f"a tensor or a pytree with tensor leaves")
+        raise TypeError(f"the stage returned no tensor in its {what} (got {out.tree()!r}); it "
+                        f"must be a tensor or a pytree with tensor leaves")
     for leaf in tensors:
         if leaf.dim() > 0 and leaf.shape[0] != size:
             raise ValueError(
-                f"the stage's output {describe(out.tree())} does not keep the micro-batch size "
-                f"{size} on dim 0 of every tensor"
+                f"the stage's {what} {describe(out.tree())} does not keep the micro-batch "
+                f"size {size} on dim 0 of every tensor"
             )
 
 
