@@ -8,7 +8,7 @@ results back into the caller's pytrees.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -96,11 +96,14 @@ class Pipeline:
         self.stages = tuple(stages)
         self.schedule = schedule
         self.loss_fn = loss_fn
-        self.devices = _stage_devices(params, devices)
+        self.devices = stage_devices(dict(enumerate(params)), devices)
         self.params = params
         self.param_specs = tuple(optree.tree_structure(p) for p in params)
-        self._check_params(params)
-        self.state = None if state is None else self._checked_state(state)
+        check_params(dict(enumerate(params)), self.devices)
+        self.state = None
+        if state is not None:
+            check_state(dict(enumerate(state)), self.devices)
+            self.state = list(state)
 
         program = schedule.program(len(stages))
         if not isinstance(program, Program) or program.n_stages != len(stages):
@@ -190,7 +193,7 @@ class Pipeline:
                 if optree.tree_structure(tree) != spec:
                     raise ValueError(f"params[{s}] has structure {optree.tree_structure(tree)}, "
                                      f"but the pipeline was built with {spec}")
-            self._check_params(params)
+            check_params(dict(enumerate(params)), self.devices)
         return [[leaf.detach() if leaf.requires_grad else leaf for leaf in optree.tree_leaves(p)]
                 for p in params]
 
@@ -204,32 +207,8 @@ class Pipeline:
             return self.state
         if len(state) != len(self.stages):
             raise ValueError(f"got {len(state)} state pytrees for {len(self.stages)} stages")
-        return self._checked_state(state)
-
-    def _checked_state(self, state: Sequence[Any]) -> list:
-        """State leaves may be any value; its tensors must be on their stage's device."""
-        state = list(state)
-        for s, tree in enumerate(state):
-            self._check_devices(s, tree, "state", "state tensor")
-        return state
-
-    def _check_params(self, params: Sequence[Any]) -> None:
-        for s, tree in enumerate(params):
-            for path, leaf in zip(*optree.tree_flatten_with_path(tree)[:2]):
-                if not isinstance(leaf, torch.Tensor):
-                    raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
-                                    f"not a tensor: parameter leaves must be tensors")
-            self._check_devices(s, tree, "params", "parameter")
-
-    def _check_devices(self, stage: int, tree: Any, name: str, what: str) -> None:
-        paths, leaves, _ = optree.tree_flatten_with_path(tree)
-        for path, leaf in zip(paths, leaves):
-            if isinstance(leaf, torch.Tensor) and _device(leaf.device) != self.devices[stage]:
-                raise PlacementError(
-                    f"stage {stage} runs on {self.devices[stage]} but its {what} "
-                    f"{name}[{stage}]{_path(path)} is on {leaf.device}; fpipe never moves "
-                    f"parameters or state: place them on the stage's device first"
-                )
+        check_state(dict(enumerate(state)), self.devices)
+        return list(state)
 
     @staticmethod
     def _to(tree: Any, device: torch.device) -> Any:
@@ -242,24 +221,56 @@ def _path(path: tuple) -> str:
     return "".join(f"[{key!r}]" for key in path)
 
 
-def _device(device: torch.device | str) -> torch.device:
+def device_of(device: torch.device | str) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
-def _stage_devices(params: list, devices: Sequence | None) -> tuple[torch.device, ...]:
-    """Each stage's device: as given, or the one device all its parameters share."""
+def check_params(params: Mapping[int, Any],
+                 devices: Mapping[int, torch.device] | Sequence[torch.device]) -> None:
+    """Every leaf of ``params[s]`` is a tensor on ``devices[s]``; errors name the leaf."""
+    for s, tree in params.items():
+        paths, leaves, _ = optree.tree_flatten_with_path(tree)
+        for path, leaf in zip(paths, leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
+                                f"not a tensor: parameter leaves must be tensors")
+        _check_devices(s, tree, devices[s], "params", "parameter")
+
+
+def check_state(state: Mapping[int, Any],
+                devices: Mapping[int, torch.device] | Sequence[torch.device]) -> None:
+    """State leaves may be any value; the tensors of ``state[s]`` must be on ``devices[s]``."""
+    for s, tree in state.items():
+        _check_devices(s, tree, devices[s], "state", "state tensor")
+
+
+def _check_devices(stage: int, tree: Any, device: torch.device, name: str, what: str) -> None:
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor) and device_of(leaf.device) != device:
+            raise PlacementError(
+                f"stage {stage} runs on {device} but its {what} {name}[{stage}]{_path(path)} "
+                f"is on {leaf.device}; fpipe never moves parameters or state: place them on "
+                f"the stage's device first"
+            )
+
+
+def stage_devices(params: Mapping[int, Any],
+                  devices: Sequence | None) -> tuple[torch.device, ...]:
+    """The device of each stage in ``params`` (stage -> pytree), in key order: as given, or
+    the one device all its parameters share."""
     if devices is not None:
-        return tuple(_device(d) for d in devices)
+        return tuple(device_of(d) for d in devices)
     found: list[torch.device | None] = []
-    for s, tree in enumerate(params):
+    for s, tree in params.items():
         paths, leaves, _ = optree.tree_flatten_with_path(tree)
         seen: dict[torch.device, str] = {}
         for path, leaf in zip(paths, leaves):
             if isinstance(leaf, torch.Tensor):
-                seen.setdefault(_device(leaf.device), f"params[{s}]{_path(path)}")
+                seen.setdefault(device_of(leaf.device), f"params[{s}]{_path(path)}")
         if len(seen) > 1:
             listed = ", ".join(f"{where} on {device}" for device, where in seen.items())
             raise PlacementError(f"stage {s}'s parameters are on several devices ({listed}); "
