@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch.func import grad_and_value
+
+from fpipe.schedules import Program
 
 
 def block(p, x):
@@ -38,3 +41,26 @@ def forward(stages, params, x):
     for stage, p in zip(stages, params):
         h = stage(p, h)
     return h
+
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def assert_trees_close(actual, expected, **tol):
+    assert optree.tree_structure(actual) == optree.tree_structure(expected)
+    for a, e in zip(optree.tree_leaves(actual), optree.tree_leaves(expected)):
+        assert a.device == e.device
+        torch.testing.assert_close(a, e, **(tol or TIGHT))
+
+
+
+def two_stages_per_worker(chunks: int) -> Program:
+    """Four stages on two workers, looped: worker 0 holds stages 0 and 2, worker 1 holds 1, 3."""
+    workers = []
+    for first, second in ((0, 2), (1, 3)):
+        actions = [f"{first}F{m}" for m in range(chunks)]
+        actions += [f"{second}F{m}" for m in range(chunks)]
+        actions += [f"{second}B{m}" for m in reversed(range(chunks))]
+        actions += [f"{first}B{m}" for m in reversed(range(chunks))]
+        workers.append(actions)
+    return Program(workers, n_stages=4, n_microbatches=chunks)

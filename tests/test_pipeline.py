@@ -10,20 +10,19 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from models import block, forward, mlp_params, mse, whole_batch
+from models import (
+    TIGHT,
+    assert_trees_close,
+    block,
+    forward,
+    mlp_params,
+    mse,
+    two_stages_per_worker,
+    whole_batch,
+)
 
 import fpipe
 from fpipe.schedules import Program, gpipe, one_f_one_b
-
-TIGHT = dict(rtol=1e-10, atol=1e-12)
-
-
-def assert_trees_close(actual, expected, **tol):
-    assert optree.tree_structure(actual) == optree.tree_structure(expected)
-    for a, e in zip(optree.tree_leaves(actual), optree.tree_leaves(expected)):
-        assert a.device == e.device
-        torch.testing.assert_close(a, e, **(tol or TIGHT))
-
 
 remat_policies = st.one_of(
     st.sampled_from(["always", "except_last", "never"]),
@@ -136,18 +135,6 @@ def test_requires_grad_params_are_not_tracked():
     assert not loss.requires_grad
     assert all(not g.requires_grad for g in optree.tree_leaves(grads))
     assert all(p.grad is None for p in optree.tree_leaves(params))
-
-
-def two_stages_per_worker(chunks: int) -> Program:
-    """Four stages on two workers, looped: worker 0 holds stages 0 and 2, worker 1 holds 1, 3."""
-    workers = []
-    for first, second in ((0, 2), (1, 3)):
-        actions = [f"{first}F{m}" for m in range(chunks)]
-        actions += [f"{second}F{m}" for m in range(chunks)]
-        actions += [f"{second}B{m}" for m in reversed(range(chunks))]
-        actions += [f"{first}B{m}" for m in reversed(range(chunks))]
-        workers.append(actions)
-    return Program(workers, n_stages=4, n_microbatches=chunks)
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3])
