@@ -4,13 +4,18 @@ The driver knows no particular schedule. Each worker of the program becomes a th
 executes its actions in order; activations and cotangents go to the worker that needs them
 through its inbox, crossing devices on copy streams (see :mod:`fpipe.stream`). A program is
 compiled once into per-worker tuples, so a step allocates little beyond the values it carries.
+
+What each action means lives in :class:`Interpreter`, which reaches other workers only through
+a :class:`Channel`; :mod:`fpipe.distributed` runs the same interpreter with a channel over
+``torch.distributed``, so both drivers compute exactly the same thing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import optree
 import torch
@@ -22,13 +27,22 @@ from fpipe.schedules.actions import Op, Program
 from fpipe.stream import Transport
 from fpipe.workers import Aborted, Inbox, WorkerPool
 
-__all__ = ["LocalDriver", "TrainResult"]
+__all__ = ["LocalDriver", "TrainResult", "Interpreter", "Step", "Channel", "compiled"]
 
 # Action codes of a compiled program. A forward is "kept" when its vjp is built at once, and
 # "dropped" when only its input is kept for a later recompute (or, in inference, nothing).
 _KEPT, _DROPPED, _RECOMPUTE, _BACKWARD, _BACKWARD_INPUT, _BACKWARD_WEIGHT = range(6)
 _OP_NAMES = ("forward", "forward", "recompute", "backward", "input-gradient backward",
              "weight-gradient backward")
+
+
+def compiled(cache: dict, program: Program, training: bool) -> tuple:
+    """``program`` compiled for training or inference, memoised in ``cache``."""
+    key = (program, training)
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = _compile(program, training)
+    return plan
 
 
 def _compile(program: Program, training: bool) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -57,13 +71,15 @@ class TrainResult:
         self.grads = grads
 
 
-class _Step:
-    """Everything one step's workers share; dropped when the step ends."""
+class Step:
+    """Everything one step's actions share on one process; dropped when the step ends.
 
-    def __init__(self, n_workers: int, n_stages: int, params: list, inputs: list,
-                 targets: list | None, weights: list, sizes: list, seed: int,
-                 training: bool) -> None:
-        self.inboxes = [Inbox() for _ in range(n_workers)]
+    ``on_abort`` is called once a step has failed, to wake whoever waits for a value (the local
+    driver's inboxes, the distributed driver's peers)."""
+
+    def __init__(self, n_stages: int, params: list, inputs: list | None, targets: list | None,
+                 weights: list, sizes: list, seed: int, training: bool,
+                 on_abort: Callable[[], None]) -> None:
         self.params = params
         self.inputs = inputs
         self.targets = targets
@@ -76,86 +92,65 @@ class _Step:
         self.pending_weight_grads: dict[tuple[int, int], list] = {}
         self.grads: list = [None] * n_stages
         self.owned_grads: set[int] = set()
-        self.outputs: list = [None] * len(inputs)
+        self.outputs: list = [None] * len(sizes)
         self.error: BaseException | None = None
         self._error_lock = threading.Lock()
+        self._on_abort = on_abort
 
     def fail(self, error: BaseException) -> None:
         with self._error_lock:
             if self.error is None:
                 self.error = error
-        self.abort()
+        self._on_abort()
 
-    def abort(self) -> None:
-        for inbox in self.inboxes:
-            inbox.abort()
+    def grads_out(self) -> list:
+        """Per stage, its summed gradient leaves, never aliasing a vjp's own output."""
+        return [total if stage in self.owned_grads or total is None
+                else [g.clone() for g in total]
+                for stage, total in enumerate(self.grads)]
 
 
-class LocalDriver:
-    """Runs programs for ``stages`` placed on ``devices`` with one thread per worker."""
+class Channel(Protocol):
+    """How one worker's values reach the workers of other stages, and how it waits for theirs.
 
-    def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
-                 devices: Sequence[torch.device], n_workers: int,
-                 loss_fn: Callable | None) -> None:
+    Keys are ``("x", stage, microbatch)`` for a stage's input and ``("g", stage, microbatch)``
+    for the cotangent of its output. Waiting raises :class:`Aborted` once the step has failed.
+    """
+
+    def receive(self, key: tuple, device: torch.device) -> Any: ...
+
+    def send(self, leaves: list, src: torch.device, stage: int, key: tuple,
+             like: Value | None) -> None: ...
+
+
+class Interpreter:
+    """What every action of a compiled program means, for one worker; drivers share it and
+    differ only in their :class:`Channel` and in how they start workers."""
+
+    def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
+                 devices: Sequence[torch.device], loss_fn: Callable | None,
+                 transport: Transport) -> None:
         n = len(stages)
         self.devices = list(devices)
-        self.inference_calls = [StageCall(fn, spec, grad_input=False)
+        # A ``None`` spec marks a stage this process does not hold (distributed): no call.
+        self.inference_calls = [None if spec is None else StageCall(fn, spec, grad_input=False)
                                 for fn, spec in zip(stages, param_specs)]
         self.training_calls = [
+            None if spec is None else
             StageCall(fn, spec, grad_input=s > 0, loss_fn=loss_fn if s == n - 1 else None)
             for s, (fn, spec) in enumerate(zip(stages, param_specs))
         ]
-        self.transport = Transport(self.devices)
+        self.transport = transport
         self.random = RandomStages(self.devices)
-        self.pool = WorkerPool(n_workers)
-        self._compiled: dict[tuple[Program, bool], tuple] = {}
 
-    def close(self) -> None:
-        self.pool.close()
+    def run(self, step: Step, actions: tuple, channel: Channel) -> None:
+        """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail` as a
+        :class:`StageError` naming the stage, op and micro-batch; only interrupts propagate."""
+        # Grad mode is thread-local: set it in every worker, whatever the caller's is.
+        with torch.enable_grad() if step.training else torch.no_grad():
+            self._run(step, actions, channel)
 
-    def infer(self, program: Program, params: list, inputs: list[Value],
-              sizes: list[int]) -> list[Any]:
-        """Forward every micro-batch; returns the last stage's outputs, one pytree each."""
-        step = self._run(program, False, params, inputs, None, [1.0] * len(inputs), sizes)
-        return step.outputs
-
-    def train(self, program: Program, params: list, inputs: list[Value], targets: list,
-              weights: list[float], sizes: list[int]) -> TrainResult:
-        step = self._run(program, True, params, inputs, targets, weights, sizes)
-        grads = [total if stage in step.owned_grads else [g.clone() for g in total]
-                 for stage, total in enumerate(step.grads)]
-        return TrainResult(step.outputs, grads)
-
-    def _run(self, program: Program, training: bool, params: list, inputs: list,
-             targets: list | None, weights: list, sizes: list) -> _Step:
-        key = (program, training)
-        plan = self._compiled.get(key)
-        if plan is None:
-            plan = self._compiled[key] = _compile(program, training)
-        seed = StepSeed(self.devices)
-        step = _Step(len(plan), len(self.devices), params, inputs, targets, weights, sizes,
-                     seed.seed, training)
-        owners = program.placement
-        jobs = [self._job(step, w, plan[w], owners) for w in range(len(plan))]
-        self.transport.begin_step()
-        try:
-            self.pool.run(jobs, step.abort)
-        finally:
-            self.transport.end_step()
-            seed.restore()
-        if step.error is not None:
-            raise step.error
-        return step
-
-    def _job(self, step: _Step, worker: int, actions: tuple,
-             owners: tuple) -> Callable[[], None]:
-        def job() -> None:
-            # Grad mode is thread-local: set it in every worker, whatever the caller's is.
-            with torch.enable_grad() if step.training else torch.no_grad():
-                self._work(step, step.inboxes[worker], actions, owners)
-        return job
-
-    def _work(self, step: _Step, inbox: Inbox, actions: tuple, owners: tuple) -> None:
+    def _run(self, step: Step, actions: tuple, channel: Channel) -> None:
         devices, transport, random = self.devices, self.transport, self.random
         calls = self.training_calls if step.training else self.inference_calls
         last = len(devices) - 1
@@ -170,7 +165,7 @@ class LocalDriver:
                     if stage == 0:
                         x = step.inputs[microbatch]
                     else:
-                        x = self._receive(inbox, ("x", stage, microbatch), device)
+                        x = channel.receive(("x", stage, microbatch), device)
                     target = step.targets[microbatch] if step.targets is not None else None
                     weight = step.weights[microbatch]
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
@@ -186,8 +181,8 @@ class LocalDriver:
                         step.outputs[microbatch] = out if step.training else out.tree()
                     else:
                         _check_output(out, step.sizes[microbatch])
-                        self._send(step, owners, out.leaves, device, stage + 1,
-                                   ("x", stage + 1, microbatch), out)
+                        channel.send(out.leaves, device, stage + 1,
+                                     ("x", stage + 1, microbatch), out)
                 elif code == _RECOMPUTE:
                     x = step.saved.pop(key)
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
@@ -197,21 +192,21 @@ class LocalDriver:
                             step.targets[microbatch] if stage == last else None,
                             step.weights[microbatch])
                 elif code == _BACKWARD_WEIGHT:
-                    self._accumulate(step, stage, step.pending_weight_grads.pop(key))
+                    self.accumulate(step, stage, step.pending_weight_grads.pop(key))
                 else:
                     if stage == last:
                         cotangent = [torch.ones_like(step.outputs[microbatch])]
                     else:
-                        cotangent = self._receive(inbox, ("g", stage, microbatch), device)
+                        cotangent = channel.receive(("g", stage, microbatch), device)
                     with transport.compute(device):
                         param_grads, input_grads = step.vjps.pop(key)(cotangent)
                     if code == _BACKWARD:
-                        self._accumulate(step, stage, param_grads)
+                        self.accumulate(step, stage, param_grads)
                     else:
                         step.pending_weight_grads[key] = param_grads
                     if stage > 0:
-                        self._send(step, owners, list(input_grads), device, stage - 1,
-                                   ("g", stage - 1, microbatch), None)
+                        channel.send(list(input_grads), device, stage - 1,
+                                     ("g", stage - 1, microbatch), None)
         except Aborted:
             return
         except BaseException as exc:
@@ -219,18 +214,8 @@ class LocalDriver:
             if not isinstance(exc, Exception):
                 raise
 
-    def _receive(self, inbox: Inbox, key: tuple, device: torch.device) -> Any:
-        item, event, like = inbox.take(key)
-        leaves = self.transport.receive(item, event, device)
-        return leaves if like is None else Value(leaves, like.spec, like.grad_index)
-
-    def _send(self, step: _Step, owners: tuple, leaves: list, src: torch.device, stage: int,
-              key: tuple, like: Value | None) -> None:
-        moved, event = self.transport.send(leaves, src, self.devices[stage])
-        step.inboxes[owners[stage]].put(key, (moved, event, like))
-
     @staticmethod
-    def _accumulate(step: _Step, stage: int, grads: list) -> None:
+    def accumulate(step: Step, stage: int, grads: list) -> None:
         # A vjp may return views, broadcast (stride-0) tensors, or the very cotangent it was
         # given: the first sum is out of place, so later ones may add in place.
         total = step.grads[stage]
@@ -242,6 +227,84 @@ class LocalDriver:
         else:
             for acc, grad in zip(total, grads):
                 acc.add_(grad)
+
+
+class _LocalChannel:
+    """A worker's view of the step: its own inbox, and the inboxes of the stages' workers."""
+
+    __slots__ = ("inboxes", "inbox", "owners", "transport", "devices")
+
+    def __init__(self, inboxes: list[Inbox], worker: int, owners: tuple,
+                 transport: Transport, devices: list[torch.device]) -> None:
+        self.inboxes = inboxes
+        self.inbox = inboxes[worker]
+        self.owners = owners
+        self.transport = transport
+        self.devices = devices
+
+    def receive(self, key: tuple, device: torch.device) -> Any:
+        item, event, like = self.inbox.take(key)
+        leaves = self.transport.receive(item, event, device)
+        return leaves if like is None else Value(leaves, like.spec, like.grad_index)
+
+    def send(self, leaves: list, src: torch.device, stage: int, key: tuple,
+             like: Value | None) -> None:
+        moved, event = self.transport.send(leaves, src, self.devices[stage])
+        self.inboxes[self.owners[stage]].put(key, (moved, event, like))
+
+
+class LocalDriver:
+    """Runs programs for ``stages`` placed on ``devices`` with one thread per worker."""
+
+    def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
+                 devices: Sequence[torch.device], n_workers: int,
+                 loss_fn: Callable | None) -> None:
+        self.devices = list(devices)
+        self.transport = Transport(self.devices)
+        self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
+                                       self.transport)
+        self.pool = WorkerPool(n_workers)
+        self._compiled: dict[tuple[Program, bool], tuple] = {}
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def infer(self, program: Program, params: list, inputs: list[Value],
+              sizes: list[int]) -> list[Any]:
+        """Forward every micro-batch; returns the last stage's outputs, one pytree each."""
+        step = self._run(program, False, params, inputs, None, [1.0] * len(inputs), sizes)
+        return step.outputs
+
+    def train(self, program: Program, params: list, inputs: list[Value], targets: list,
+              weights: list[float], sizes: list[int]) -> TrainResult:
+        step = self._run(program, True, params, inputs, targets, weights, sizes)
+        return TrainResult(step.outputs, step.grads_out())
+
+    def _run(self, program: Program, training: bool, params: list, inputs: list,
+             targets: list | None, weights: list, sizes: list) -> Step:
+        plan = compiled(self._compiled, program, training)
+        seed = StepSeed(self.devices)
+        inboxes = [Inbox() for _ in range(len(plan))]
+
+        def abort() -> None:
+            for inbox in inboxes:
+                inbox.abort()
+
+        step = Step(len(self.devices), params, inputs, targets, weights, sizes, seed.seed,
+                    training, abort)
+        owners = program.placement
+        jobs = [partial(self.interpreter.run, step, plan[w],
+                        _LocalChannel(inboxes, w, owners, self.transport, self.devices))
+                for w in range(len(plan))]
+        self.transport.begin_step()
+        try:
+            self.pool.run(jobs, abort)
+        finally:
+            self.transport.end_step()
+            seed.restore()
+        if step.error is not None:
+            raise step.error
+        return step
 
 
 def _check_output(out: Value, size: int) -> None:
