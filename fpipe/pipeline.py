@@ -8,7 +8,7 @@ results back into the caller's pytrees.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -82,10 +82,10 @@ class Pipeline:
         self.stages = tuple(stages)
         self.schedule = schedule
         self.loss_fn = loss_fn
-        self.devices = _stage_devices(params, devices)
+        self.devices = stage_devices(dict(enumerate(params)), devices)
         self.params = params
         self.param_specs = tuple(optree.tree_structure(p) for p in params)
-        self._check_params(params)
+        check_params(dict(enumerate(params)), self.devices)
 
         program = schedule.program(len(stages))
         if not isinstance(program, Program) or program.n_stages != len(stages):
@@ -159,23 +159,9 @@ class Pipeline:
                 if optree.tree_structure(tree) != spec:
                     raise ValueError(f"params[{s}] has structure {optree.tree_structure(tree)}, "
                                      f"but the pipeline was built with {spec}")
-            self._check_params(params)
+            check_params(dict(enumerate(params)), self.devices)
         return [[leaf.detach() if leaf.requires_grad else leaf for leaf in optree.tree_leaves(p)]
                 for p in params]
-
-    def _check_params(self, params: Sequence[Any]) -> None:
-        for s, tree in enumerate(params):
-            paths, leaves, _ = optree.tree_flatten_with_path(tree)
-            for path, leaf in zip(paths, leaves):
-                if not isinstance(leaf, torch.Tensor):
-                    raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
-                                    f"not a tensor: parameter leaves must be tensors")
-                if _device(leaf.device) != self.devices[s]:
-                    raise PlacementError(
-                        f"stage {s} runs on {self.devices[s]} but its parameter "
-                        f"params[{s}]{_path(path)} is on {leaf.device}; fpipe never moves "
-                        f"parameters: place them on the stage's device first"
-                    )
 
     @staticmethod
     def _to(tree: Any, device: torch.device) -> Any:
@@ -188,24 +174,43 @@ def _path(path: tuple) -> str:
     return "".join(f"[{key!r}]" for key in path)
 
 
-def _device(device: torch.device | str) -> torch.device:
+def device_of(device: torch.device | str) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
-def _stage_devices(params: list, devices: Sequence | None) -> tuple[torch.device, ...]:
-    """Each stage's device: as given, or the one device all its parameters share."""
+def check_params(params: Mapping[int, Any],
+                 devices: Mapping[int, torch.device] | Sequence[torch.device]) -> None:
+    """Every leaf of ``params[s]`` is a tensor on ``devices[s]``; errors name the leaf."""
+    for s, tree in params.items():
+        paths, leaves, _ = optree.tree_flatten_with_path(tree)
+        for path, leaf in zip(paths, leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
+                                f"not a tensor: parameter leaves must be tensors")
+            if device_of(leaf.device) != devices[s]:
+                raise PlacementError(
+                    f"stage {s} runs on {devices[s]} but its parameter "
+                    f"params[{s}]{_path(path)} is on {leaf.device}; fpipe never moves "
+                    f"parameters: place them on the stage's device first"
+                )
+
+
+def stage_devices(params: Mapping[int, Any],
+                  devices: Sequence | None) -> tuple[torch.device, ...]:
+    """The device of each stage in ``params`` (stage -> pytree), in key order: as given, or
+    the one device all its parameters share."""
     if devices is not None:
-        return tuple(_device(d) for d in devices)
+        return tuple(device_of(d) for d in devices)
     found: list[torch.device | None] = []
-    for s, tree in enumerate(params):
+    for s, tree in params.items():
         paths, leaves, _ = optree.tree_flatten_with_path(tree)
         seen: dict[torch.device, str] = {}
         for path, leaf in zip(paths, leaves):
             if isinstance(leaf, torch.Tensor):
-                seen.setdefault(_device(leaf.device), f"params[{s}]{_path(path)}")
+                seen.setdefault(device_of(leaf.device), f"params[{s}]{_path(path)}")
         if len(seen) > 1:
             listed = ", ".join(f"{where} on {device}" for device, where in seen.items())
             raise PlacementError(f"stage {s}'s parameters are on several devices ({listed}); "
