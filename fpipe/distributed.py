@@ -1,0 +1,441 @@
+"""The same interpreter over ``torch.distributed``: one rank per worker of the program.
+
+Rank ``w`` runs worker ``w``'s actions with :class:`fpipe.driver.Interpreter`, so a stage
+computes exactly what it computes in the local driver. Only the channel differs: values cross
+ranks as point-to-point messages, each a length, a pickled header (key, tree structure, shapes,
+dtypes and non-tensor leaves) and the tensor leaves. Nothing about shapes is frozen, so they may
+change from step to step.
+
+Why no program deadlocks: sends are posted with ``isend`` and completed only at the end of the
+step, so a rank never waits for anyone to receive. Messages from one rank to another are read
+in the order they were sent (a rank that needs a later one reads and keeps the earlier ones),
+which is how both gloo and NCCL match them. A rank therefore waits only for values its own
+actions need, and the validator's global order guarantees they come.
+
+Failure: every wait is bounded by ``timeout``. A rank that fails writes what happened (rank,
+stage, micro-batch, message) to the process group's store and aborts fpipe's process group,
+which wakes every rank blocked on it; they read the store and raise the same
+:class:`~fpipe.StageError`, and abort in turn, so the whole pipeline stops. A dead or silent rank
+surfaces as :class:`~fpipe.errors.PeerError`. After a failure the pipeline cannot run again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fpipe import microbatch
+from fpipe.autodiff import Value, flatten
+from fpipe.driver import Interpreter, Step, compiled
+from fpipe.errors import BatchError, PeerError, PlacementError, StageError
+from fpipe.pipeline import check_params, stage_devices
+from fpipe.rng import StepSeed
+from fpipe.schedules.actions import Program
+from fpipe.schedules.validate import validate
+from fpipe.stream import Transport
+from fpipe.workers import Aborted
+
+__all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
+
+#: Loss dtypes, by the code broadcast with the loss.
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_created = itertools.count()
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The backend that carries tensors of ``device``: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init(device: torch.device | str | None = None) -> torch.device:
+    """Join the process group ``torchrun`` describes (its environment variables) with the
+    backend that fits ``device``, and return this rank's device.
+
+    ``device`` defaults to CUDA when there is one; ``"cuda"`` means the GPU of ``LOCAL_RANK``.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device))
+    return device
+
+
+def my_stages(schedule: Any, n_stages: int, rank: int | None = None) -> tuple[int, ...]:
+    """The stages that ``rank`` (this rank by default) holds: worker ``w`` is rank ``w``.
+
+    Build or load only these stages' parameters and pass them to :func:`pipeline`.
+    """
+    program = validate(schedule.program(n_stages))
+    rank = dist.get_rank() if rank is None else rank
+    return tuple(s for s, worker in enumerate(program.placement) if worker == rank)
+
+
+def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
+             loss_fn: Callable | None = None, device: torch.device | str | None = None,
+             timeout: float = 60.0) -> DistributedPipeline:
+    """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
+    ``schedule`` and ``loss_fn``.
+
+    Args:
+        stages: all the stage functions (functions are cheap; parameters are not).
+        params: ``{stage: pytree}`` for exactly the stages of :func:`my_stages`.
+        schedule: as for :func:`fpipe.pipeline`; its program must have one worker per rank.
+        loss_fn: ``loss_fn(y, target) -> scalar``, the mean loss over a micro-batch.
+        device: this rank's device when its stages have no parameters (else theirs).
+        timeout: the most seconds a rank waits for another; then every rank raises.
+    """
+    return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
+                               device=device, timeout=timeout)
+
+
+class DistributedPipeline:
+    """This rank's stages of a pipeline whose workers are the ranks of the process group.
+
+    ``value_and_grad(x, target)`` returns the mean loss over the batch on every rank and this
+    rank's gradients as ``{stage: pytree}``. ``pipe(x)`` returns the last stage's output on the
+    rank that holds it and ``None`` elsewhere. Only the rank of stage 0 needs ``x`` and only the
+    rank of the last stage needs ``target``; the others pass ``None`` and learn the batch size
+    (and the step's random seed) from the rank of stage 0.
+    """
+
+    def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
+                 loss_fn: Callable | None = None, device: torch.device | str | None = None,
+                 timeout: float = 60.0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("fpipe.distributed needs a process group: call "
+                               "fpipe.distributed.init() (or torch.distributed.init_process_group)")
+        stages = list(stages)
+        program = schedule.program(len(stages))
+        if not isinstance(program, Program) or program.n_stages != len(stages):
+            raise TypeError(f"schedule.program({len(stages)}) must return a Program for "
+                            f"{len(stages)} stages, got {program!r}")
+        self.program = validate(program)
+        self.inference_program = validate(program.forward_only(), training=False)
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        if program.n_workers != world:
+            raise PlacementError(f"the program has {program.n_workers} workers but the process "
+                                 f"group has {world} ranks: run one rank per worker")
+        self.stages_held = tuple(s for s, w in enumerate(program.placement) if w == self.rank)
+        if set(params) != set(self.stages_held):
+            raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
+                                 f"got parameters for stages {sorted(params)}")
+        self.params = {s: params[s] for s in self.stages_held}
+        self.device = self._device(device)
+        check_params(self.params, {s: self.device for s in self.stages_held})
+        self.param_specs = {s: optree.tree_structure(p) for s, p in self.params.items()}
+        self.loss_fn = loss_fn
+        self.timeout = timeout
+        self.interpreter = Interpreter(
+            stages, [self.param_specs.get(s) for s in range(len(stages))],
+            [self.device] * len(stages), loss_fn, Transport([]))
+        backend = backend_for(self.device)
+        self.wire = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")
+        # fpipe's own group: aborting it on failure leaves the caller's group to the caller.
+        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
+        self.store = dist.distributed_c10d._get_default_store()
+        self.failure_key = f"fpipe/pipeline{next(_created)}/failure"
+        self.broken: BaseException | None = None
+        self._compiled: dict = {}
+
+    @property
+    def chunks(self) -> int:
+        return self.program.n_microbatches
+
+    def __call__(self, x: Any = None, *, params: Mapping[int, Any] | None = None) -> Any:
+        step, _ = self._step(self.inference_program, False, x, None, params)
+        if self.rank != self.program.placement[-1]:
+            return None
+        return microbatch.join(step.outputs)
+
+    def value_and_grad(self, x: Any = None, target: Any = None, *,
+                       params: Mapping[int, Any] | None = None) -> tuple[torch.Tensor, dict]:
+        """The mean loss over the batch (on every rank) and ``{stage: grads}`` for this rank's
+        stages, each shaped like its parameters."""
+        if self.loss_fn is None:
+            raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
+        step, loss = self._step(self.program, True, x, target, params)
+        grads = step.grads_out()
+        return loss, {s: optree.tree_unflatten(self.param_specs[s], grads[s])
+                           for s in self.stages_held}
+
+    def __repr__(self) -> str:
+        return (f"DistributedPipeline(rank {self.rank} of {self.program.n_workers}, stages "
+                f"{list(self.stages_held)} on {self.device}, schedule={self.program!r})")
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step(self, program: Program, training: bool, x: Any, target: Any,
+              params: Mapping[int, Any] | None) -> tuple[Step, torch.Tensor | None]:
+        if self.broken is not None:
+            raise RuntimeError("this distributed pipeline stopped after a failure and cannot "
+                               "run again; restart the job") from self.broken
+        leaves = self._param_leaves(params)
+        owners = program.placement
+        seed = StepSeed([self.device])
+        try:
+            n, seed_value = self._guarded(lambda: self._batch_header(x, owners[0], seed.seed))
+            if n < self.chunks:  # every rank knows n, so every rank raises this by itself
+                raise BatchError(f"the input batch has {n} samples, fewer than chunks="
+                                 f"{self.chunks}: every micro-batch needs at least one sample")
+            return self._guarded(lambda: self._run(program, training, leaves, x, target, n,
+                                                   seed_value))
+        finally:
+            seed.restore()
+
+    def _run(self, program: Program, training: bool, params: list, x: Any, target: Any,
+             n: int, seed: int) -> tuple[Step, torch.Tensor | None]:
+        owners, last = program.placement, len(params) - 1
+        sizes = microbatch.sizes(n, self.chunks)
+        inputs = targets = None
+        if self.rank == owners[0]:
+            inputs = [flatten(mb) for mb in microbatch.split(_to(x, self.device), self.chunks)]
+        if self.rank == owners[last] and training and target is not None:
+            m = microbatch.batch_size(target, "target")
+            if m != n:
+                raise BatchError(f"the input has {n} samples but the target has {m}")
+            targets = microbatch.split(_to(target, self.device), self.chunks, "target")
+        step = Step(params, [None] * len(params), inputs, targets,
+                    [size / n for size in sizes], sizes, seed, training, lambda: None)
+        channel = _RankChannel(self, owners)
+        self.interpreter.run(step, compiled(self._compiled, program, training)[self.rank],
+                             channel)
+        if self.broken is not None:  # another rank failed while this one waited
+            raise self.broken
+        if step.error is not None:
+            step.error.rank = self.rank
+            raise step.error
+        channel.flush()
+        return step, self._finish(step, owners[last], training)
+
+    def _batch_header(self, x: Any, first: int, seed: int) -> tuple[int, int]:
+        """The batch size and the step's seed, from the rank of stage 0 to all."""
+        header = torch.zeros(2, dtype=torch.int64, device=self.wire)
+        if self.rank == first:
+            if x is None:
+                raise BatchError(f"rank {self.rank} holds stage 0, so it needs the input x")
+            header[0], header[1] = microbatch.batch_size(x, "input"), seed
+        self._wait(dist.broadcast(header, first, group=self.group, async_op=True),
+                   f"the batch size from rank {first}", first)
+        n, seed = header.tolist()
+        return n, seed
+
+    def _finish(self, step: Step, last: int, training: bool) -> torch.Tensor | None:
+        """Broadcast the loss from the rank of the last stage; every step ends in lockstep."""
+        message = torch.zeros(2, dtype=torch.float64, device=self.wire)
+        if self.rank == last and training:
+            loss = torch.stack(step.outputs).sum()
+            message[0], message[1] = loss.detach(), _FLOATS.index(loss.dtype)
+        self._wait(dist.broadcast(message, last, group=self.group, async_op=True),
+                   f"the loss from rank {last}", last)
+        if not training:
+            return None
+        return message[0].to(self.device, _FLOATS[int(message[1])])
+
+    # -- failure -------------------------------------------------------------------------------
+
+    def _guarded(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except BaseException as exc:
+            if self.broken is None:
+                self._stop_everyone(exc)
+            raise
+
+    def _wait(self, work: Any, what: str, peer: int, stage: int | None = None,
+              microbatch_: int | None = None) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:
+            raise self._failure_from(peer, what, stage, microbatch_, exc) from exc
+
+    def _failure_from(self, peer: int, what: str, stage: int | None, mb: int | None,
+                      exc: Exception) -> Exception:
+        """The error to raise after a wait failed: the first rank's published failure if there
+        is one, else what this rank saw."""
+        record = self._published()
+        if record is not None:
+            kind, rank, f_stage, f_mb, op, message = record
+            message = (f"rank {rank} failed, so rank {self.rank} stopped while waiting for "
+                       f"{what}: {message}")
+            error: Exception = StageError(message, f_stage, f_mb, op, rank) \
+                if kind == "stage" else PeerError(message, rank, f_stage, f_mb)
+        elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            error = PeerError(f"rank {self.rank} waited {self.timeout:g} s for {what} and got "
+                              f"nothing: rank {peer} is stuck or gone", peer, stage, mb)
+        else:
+            error = PeerError(f"rank {self.rank} lost rank {peer} while waiting for {what}: "
+                              f"{exc}", peer, stage, mb)
+        self._stop_everyone(error)
+        return error
+
+    def _published(self) -> tuple | None:
+        try:
+            if self.store.check([self.failure_key]):
+                return pickle.loads(self.store.get(self.failure_key))
+        except Exception:  # noqa: BLE001 - the store's host may be gone too; say what we saw
+            return None
+        return None
+
+    def _stop_everyone(self, error: BaseException) -> None:
+        """Publish ``error`` unless a failure is already known, then abort fpipe's group,
+        which wakes every rank blocked on this one."""
+        self.broken = error
+        rank = error.rank if isinstance(error, StageError) and error.rank is not None \
+            else self.rank
+        record = ("stage" if isinstance(error, StageError) else "peer", rank,
+                  getattr(error, "stage", None),
+                  getattr(error, "microbatch", None), getattr(error, "op", None), str(error))
+        try:
+            self.store.compare_set(self.failure_key, "", pickle.dumps(record))
+        except Exception:  # noqa: BLE001, S110 - best effort: the abort below still wakes peers
+            pass
+        dist.distributed_c10d._abort_process_group(self.group)
+
+    # -- parameters ----------------------------------------------------------------------------
+
+    def _device(self, device: torch.device | str | None) -> torch.device:
+        found = set(stage_devices(self.params, None)) if self.params else set()
+        if device is not None:
+            found.add(torch.device(device))
+        if len(found) > 1:
+            raise PlacementError(f"rank {self.rank} runs on one device, but its stages' "
+                                 f"parameters and device= name {sorted(map(str, found))}")
+        return found.pop() if found else torch.device("cpu")
+
+    def _param_leaves(self, params: Mapping[int, Any] | None) -> list:
+        if params is None:
+            params = self.params
+        else:
+            if set(params) != set(self.stages_held):
+                raise ValueError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
+                                 f"got parameters for stages {sorted(params)}")
+            for s in self.stages_held:
+                if optree.tree_structure(params[s]) != self.param_specs[s]:
+                    raise ValueError(f"params[{s}] has structure "
+                                     f"{optree.tree_structure(params[s])}, but the pipeline was "
+                                     f"built with {self.param_specs[s]}")
+            check_params(params, {s: self.device for s in self.stages_held})
+        return [[leaf.detach() for leaf in optree.tree_leaves(params[s])] if s in params
+                else None for s in range(self.program.n_stages)]
+
+
+class _RankChannel:
+    """This rank's messages for one step: sends posted at once and completed at the end;
+    receives read in order from the sending rank, keeping values that came early."""
+
+    def __init__(self, pipe: DistributedPipeline, owners: tuple) -> None:
+        self.pipe = pipe
+        self.owners = owners
+        self.arrived: dict[tuple, Any] = {}
+        self.sending: list[tuple[Any, torch.Tensor, int, tuple]] = []
+
+    def send(self, leaves: list, src: torch.device, stage: int, key: tuple,
+             like: Value | None) -> None:
+        dst = self.owners[stage]
+        if dst == self.pipe.rank:
+            self.arrived[key] = leaves if like is None else Value(leaves, like.spec,
+                                                                  like.grad_index)
+            return
+        wire, group = self.pipe.wire, self.pipe.group
+        tensors = [leaf.detach().to(wire).contiguous() for leaf in leaves
+                   if isinstance(leaf, torch.Tensor)]
+        header = pickle.dumps((
+            key, None if like is None else like.spec, None if like is None else like.grad_index,
+            [(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else (None, leaf)
+             for leaf in leaves],
+        ))
+        payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(wire)
+        length = torch.tensor([len(header)], dtype=torch.int64, device=wire)
+        for tensor in [length, payload, *tensors]:
+            if tensor.numel():
+                try:
+                    work = dist.isend(tensor, dst, group=group)
+                except Exception as exc:  # the connection to ``dst`` is gone
+                    self.pipe._failure_from(dst, f"rank {dst} to take {_describe_key(key)}",
+                                            _stage(key), key[2], exc)
+                    raise Aborted from None
+                self.sending.append((work, tensor, dst, key))
+
+    def receive(self, key: tuple, device: torch.device) -> Any:
+        src = self._source(key)
+        while key not in self.arrived:
+            self._read_next(src, key)
+        value = self.arrived.pop(key)
+        leaves = value.leaves if isinstance(value, Value) else value
+        moved = [leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        return moved if not isinstance(value, Value) else Value(moved, value.spec,
+                                                                value.grad_index)
+
+    def _source(self, key: tuple) -> int:
+        """The rank that sends the value ``key`` names."""
+        kind, where, _ = key
+        if kind == "x":
+            return self.owners[where - 1]
+        if kind == "g":
+            return self.owners[where + 1]
+        stasher, popper = self.pipe.interpreter.routes[where]
+        return self.owners[stasher if kind == "s" else popper]
+
+    def _read_next(self, src: int, awaited: tuple) -> None:
+        wire, group = self.pipe.wire, self.pipe.group
+        what = _describe_key(awaited) + f" from rank {src}"
+
+        def wait(work: Any) -> None:
+            try:
+                self.pipe._wait(work, what, src, _stage(awaited), awaited[2])
+            except (StageError, PeerError):
+                raise Aborted from None  # the pipeline has recorded it, and stops the step
+
+        length = torch.empty(1, dtype=torch.int64, device=wire)
+        wait(dist.irecv(length, src, group=group))
+        payload = torch.empty(int(length), dtype=torch.uint8, device=wire)
+        wait(dist.irecv(payload, src, group=group))
+        key, spec, grad_index, metas = pickle.loads(payload.cpu().numpy().tobytes())
+        leaves, works = [], []
+        for shape, meta in metas:
+            if shape is None:
+                leaves.append(meta)
+                continue
+            tensor = torch.empty(shape, dtype=meta, device=wire)
+            if tensor.numel():
+                works.append(dist.irecv(tensor, src, group=group))
+            leaves.append(tensor)
+        for work in works:
+            wait(work)
+        self.arrived[key] = leaves if spec is None else Value(leaves, spec, grad_index)
+
+    def flush(self) -> None:
+        """Complete every send of the step (their receivers have them by now or soon)."""
+        for work, _, dst, key in self.sending:
+            self.pipe._wait(work, f"rank {dst} to take {_describe_key(key)}", dst,
+                            _stage(key), key[2])
+        self.sending.clear()
+
+
+def _describe_key(key: tuple) -> str:
+    kind, where, mb = key
+    what = {"x": f"the input of stage {where}", "g": f"the output gradient of stage {where}",
+            "s": f"skip {where!r}", "t": f"the gradient of skip {where!r}"}[kind]
+    return f"{what}, micro-batch {mb}"
+
+
+def _stage(key: tuple) -> int | None:
+    """The stage a key names (skips are named by their skip name instead)."""
+    return key[1] if key[0] in ("x", "g") else None
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    return optree.tree_map(
+        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, tree)

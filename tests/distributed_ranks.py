@@ -1,0 +1,214 @@
+"""What each spawned rank runs in tests/test_distributed.py, and the harness that spawns them.
+
+Ranks join a gloo group on 127.0.0.1 whose store the parent process hosts, so the store outlives
+any rank. Each scenario returns plain data (tensors, numbers, error fields) that the parent
+checks against the single-process driver and whole-batch ``torch.func``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from models import block, mlp_params, mse
+
+import fpipe.distributed as fdist
+from fpipe.schedules import Program
+
+# -- the harness ---------------------------------------------------------------------------------
+
+
+def spawn(scenario: str, world: int, timeout: float = 60.0) -> tuple[list, list[int]]:
+    """Run ``scenario`` on ``world`` ranks; returns each rank's result (None if it sent none)
+    and exit code. Every child is reaped, killed if it outlives ``timeout``."""
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    ranks = [context.Process(target=_main, args=(scenario, rank, world, store.port, queue),
+                             daemon=True) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout
+    for process in ranks:
+        process.join(max(deadline - time.monotonic(), 0.1))
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    results: list = [None] * world
+    while not queue.empty():
+        rank, payload = queue.get()
+        results[rank] = pickle.loads(payload)
+    return results, [process.exitcode for process in ranks]
+
+
+def _main(scenario: str, rank: int, world: int, port: int, queue) -> None:
+    torch.set_num_threads(1)
+    # The first torch.func call of a process loads much of torch (seconds on a busy CI
+    # machine); do it before the clock of any timeout starts.
+    torch.func.vjp(torch.sin, torch.ones(1))[1](torch.ones(1))
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
+                          timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+    try:
+        result = SCENARIOS[scenario](rank, world)
+    except BaseException:
+        result = {"crash": traceback.format_exc()}
+    queue.put((rank, pickle.dumps(result)))
+
+
+# -- models --------------------------------------------------------------------------------------
+
+
+def data(n: int, *shape: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, *shape, generator=g, dtype=torch.float64),
+            torch.randn(n, *shape, generator=g, dtype=torch.float64))
+
+
+def embed(p, batch):
+    """Dict in, dict out: a float tensor, integer ids and a Python value cross the boundary."""
+    h = torch.tanh(batch["x"] @ p["w"]) + p["table"][batch["ids"]]
+    return {"h": h, "ids": batch["ids"], "scale": 0.5}
+
+
+def readout(p, value):
+    return (value["h"] * value["scale"] + p["table"][value["ids"]]) @ p["w"]
+
+
+def tree_params():
+    g = torch.Generator().manual_seed(1)
+    return [{"w": torch.randn(4, 4, generator=g, dtype=torch.float64),
+             "table": torch.randn(5, 4, generator=g, dtype=torch.float64)} for _ in range(2)]
+
+
+def tree_batch(n: int, length: int, seed: int):
+    """Sequences of ``length`` tokens: the length may differ from step to step."""
+    g = torch.Generator().manual_seed(seed)
+    x = {"x": torch.randn(n, length, 4, generator=g, dtype=torch.float64),
+         "ids": torch.randint(0, 5, (n, length), generator=g)}
+    return x, torch.randn(n, length, 4, generator=g, dtype=torch.float64)
+
+
+def interleaved_program() -> Program:
+    """Four stages on two ranks, worker 0 holding stages 0 and 2; worker 0 runs micro-batch 1
+    first, so rank 1 receives values in another order than it needs them."""
+    return Program.parse("""
+        worker 0: 0F1 0F0 2F0 2F1 2B0 2B1 0B0 0B1
+        worker 1: 1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1
+    """)
+
+
+def cases(world: int) -> list[tuple]:
+    """(name, stages, schedule, steps of (x, target)), the same on every rank and in the parent."""
+    n_stages = world
+    mlp = [block] * n_stages
+    steps_uneven = [data(10, 8, seed=2)]
+    steps_shapes = [data(7, 8, seed=3), data(12, 8, seed=4)]
+    result = [
+        ("gpipe-uneven", mlp, fdist_schedule("gpipe", 4), steps_uneven),
+        ("1f1b-shapes", mlp, fdist_schedule("1f1b", 3), steps_shapes),
+    ]
+    if world == 2:
+        result += [
+            ("pytree-seqlen", [embed, readout], fdist_schedule("1f1b", 2),
+             [tree_batch(6, 5, seed=5), tree_batch(5, 9, seed=6)]),
+            ("interleaved", [block] * 4, interleaved_program(), [data(6, 8, seed=7)]),
+        ]
+    return result
+
+
+def fdist_schedule(name: str, chunks: int):
+    from fpipe.schedules import gpipe, one_f_one_b
+    return gpipe(chunks=chunks) if name == "gpipe" else one_f_one_b(chunks=chunks)
+
+
+def full_params(name: str, n_stages: int) -> list:
+    return tree_params() if name.startswith("pytree") else mlp_params(n_stages)
+
+
+# -- scenarios -----------------------------------------------------------------------------------
+
+
+def parity(rank: int, world: int) -> dict:
+    """Loss, gradients and inference outputs of every case, step by step."""
+    out = {}
+    for name, stages, schedule, steps in cases(world):
+        held = fdist.my_stages(schedule, len(stages))
+        full = full_params(name, len(stages))  # a real job would build only its own stages
+        pipe = fdist.pipeline(stages, {s: full[s] for s in held}, schedule=schedule,
+                              loss_fn=mse, timeout=20)
+        first = pipe.program.placement[0]
+        last = pipe.program.placement[-1]
+        results = []
+        for x, target in steps:
+            loss, grads = pipe.value_and_grad(x if rank == first else None,
+                                              target if rank == last else None)
+            y = pipe(x if rank == first else None)
+            results.append((loss, grads, y))
+        out[name] = results
+    return out
+
+
+def _failing_stage(p, x):
+    if (x["idx"] == 5).any():
+        raise ValueError("sample 5 is cursed")
+    return {"h": block(p, x["h"]), "idx": x["idx"]}
+
+
+def _dying_stage(p, x):
+    if (x["idx"] == 5).any():
+        os._exit(3)
+    return {"h": block(p, x["h"]), "idx": x["idx"]}
+
+
+def _plain_stage(p, x):
+    return {"h": block(p, x["h"]), "idx": x["idx"]}
+
+
+def _head_loss(y, target):
+    return mse(y["h"], target)
+
+
+def _failure(rank: int, world: int, bad) -> dict:
+    stages = [_plain_stage] * world
+    stages[2] = bad
+    schedule = fdist_schedule("1f1b", 4)
+    full = mlp_params(world)
+    pipe = fdist.pipeline(stages, {s: full[s] for s in fdist.my_stages(schedule, world)},
+                          schedule=schedule, loss_fn=_head_loss, timeout=5)
+    x, target = data(8, 8, seed=8)
+    started = time.monotonic()
+    try:
+        pipe.value_and_grad({"h": x, "idx": torch.arange(8)} if rank == 0 else None,
+                            target if rank == world - 1 else None)
+    except Exception as exc:
+        elapsed = time.monotonic() - started
+        try:
+            pipe.value_and_grad(None, None)
+            again = None
+        except Exception as second:
+            again = type(second).__name__
+        return {"type": type(exc).__name__, "message": str(exc), "elapsed": elapsed,
+                "rank": getattr(exc, "rank", None), "stage": getattr(exc, "stage", None),
+                "microbatch": getattr(exc, "microbatch", None), "again": again,
+                "at": time.time()}
+    return {"type": None}
+
+
+def stage_raises(rank: int, world: int) -> dict:
+    return _failure(rank, world, _failing_stage)
+
+
+def rank_dies(rank: int, world: int) -> dict:
+    return _failure(rank, world, _dying_stage)
+
+
+SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies}

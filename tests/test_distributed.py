@@ -1,0 +1,72 @@
+"""The distributed driver on gloo over 127.0.0.1: each test spawns its ranks (see
+tests/distributed_ranks.py) and holds their results to the single-process driver and to
+whole-batch ``torch.func``, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_ranks import cases, full_params, spawn
+from models import mse, whole_batch
+
+import fpipe
+import fpipe.distributed as fdist
+from fpipe.schedules import gpipe, one_f_one_b
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_local_driver_and_whole_batch(world):
+    results, codes = spawn("parity", world)
+    assert codes == [0] * world
+    for rank_result in results:
+        assert "crash" not in rank_result, rank_result.get("crash")
+    for name, stages, schedule, steps in cases(world):
+        params = full_params(name, len(stages))
+        placement = schedule.program(len(stages)).placement
+        with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as local:
+            for i, (x, target) in enumerate(steps):
+                expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
+                local_loss, local_grads = local.value_and_grad(x, target)
+                torch.testing.assert_close(local_loss, expected_loss, **TIGHT)
+                for rank, rank_result in enumerate(results):
+                    loss, grads, y = rank_result[name][i]
+                    torch.testing.assert_close(loss, expected_loss, **TIGHT)  # on every rank
+                    assert sorted(grads) == [s for s, w in enumerate(placement) if w == rank]
+                    for s, g in grads.items():
+                        torch.testing.assert_close(g, expected_grads[s], **TIGHT)
+                        torch.testing.assert_close(g, local_grads[s], **TIGHT)
+                    if rank == placement[-1]:
+                        torch.testing.assert_close(y, local(x), **TIGHT)
+                    else:
+                        assert y is None
+
+
+def test_a_stage_raising_stops_every_rank_with_its_name():
+    results, codes = spawn("stage_raises", 3)
+    assert codes == [0, 0, 0]
+    for rank, result in enumerate(results):
+        assert result["type"] == "StageError", result
+        assert (result["rank"], result["stage"], result["microbatch"]) == (2, 2, 2)
+        assert "sample 5 is cursed" in result["message"]
+        assert "stage 2 failed in the forward of micro-batch 2" in result["message"]
+        if rank != 2:
+            assert f"rank 2 failed, so rank {rank} stopped" in result["message"]
+        assert result["elapsed"] < 4  # well within the 5 s timeout: the failure is announced
+        assert result["again"] == "RuntimeError"  # a stopped pipeline refuses to run
+
+
+def test_a_dying_rank_does_not_leave_the_others_hanging():
+    results, codes = spawn("rank_dies", 3)
+    assert codes[2] == 3 and results[2] is None
+    for result in results[:2]:
+        assert result["type"] in ("PeerError", "StageError"), result
+        assert "rank 2" in result["message"]
+        assert result["elapsed"] < 4
+
+
+def test_my_stages_follows_the_program_placement():
+    assert fdist.my_stages(gpipe(chunks=2), 4, rank=1) == (1,)
+    assert fdist.my_stages(one_f_one_b(chunks=2), 2, rank=0) == (0,)
+    assert fdist.backend_for("cpu") == "gloo" and fdist.backend_for("cuda:0") == "nccl"
