@@ -1,0 +1,18 @@
+"""``nn.Module`` -> fpipe stages, and balancing a model's layers over the stages.
+
+    s = from_sequential(model, balance=balance_by_time(model, sample, partitions=4))
+    pipe = fpipe.pipeline(s.stages, s.params, state=s.state, schedule=..., loss_fn=...)
+"""
+
+from fpipe.stages.balance import balance_by_size, balance_by_time, partition
+from fpipe.stages.sequential import (
+    ModuleStage,
+    Stages,
+    StatefulModuleStage,
+    from_modules,
+    from_sequential,
+    load_into,
+)
+
+__all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
+           "load_into", "partition", "balance_by_time", "balance_by_size"]
