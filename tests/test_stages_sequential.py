@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
 
@@ -361,3 +362,14 @@ def test_readme_from_module_snippet_runs():
     text = (ROOT / "README.md").read_text()
     code = re.search(r"## From nn.Module\n.*?```python\n(.*?)```", text, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_gpt_example_learns_and_hands_the_model_back(capsys):
+    spec = importlib.util.spec_from_file_location("gpt_pipeline",
+                                                  ROOT / "examples" / "gpt_pipeline.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    first, trained = example.main(["--steps", "8", "--schedule", "1f1b"])
+    # The loss is that of the GPT's own forward after load_into, on fresh data.
+    assert trained < 0.7 * first
+    assert "loss" in capsys.readouterr().out
