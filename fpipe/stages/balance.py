@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import copy
 import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from itertools import accumulate
@@ -36,9 +37,9 @@ def partition(costs: Sequence[float], parts: int) -> list[int]:
         raise ValueError(f"cannot split {n} layers into {parts!r} non-empty parts: give between "
                          f"1 and {n} partitions")
     for i, c in enumerate(costs):
-        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 0):
+        if not (isinstance(c, numbers.Real) and math.isfinite(c) and c >= 0):
             raise ValueError(f"costs[{i}] is {c!r}: costs must be finite and non-negative")
-    prefix = list(accumulate(costs, initial=0))
+    prefix = list(accumulate((float(c) for c in costs), initial=0.0))
     best = prefix[:]  # one part: the whole prefix
     cuts: list[list[int]] = []  # cuts[k-2][i]: where the last of k parts of costs[:i] starts
     for k in range(2, parts + 1):
