@@ -1,0 +1,161 @@
+"""Balance: how many layers of an ``nn.Sequential`` each stage should hold.
+
+A pipeline runs at the pace of its slowest stage, so the best contiguous cut is the one whose
+most expensive part is cheapest. :func:`partition` finds it exactly for given per-layer costs;
+:func:`balance_by_time` and :func:`balance_by_size` measure those costs on a sample batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import math
+import numbers
+import time
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+__all__ = ["partition", "balance_by_time", "balance_by_size"]
+
+
+def partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Split ``costs`` into ``parts`` contiguous non-empty runs so that the largest run's sum is
+    as small as possible; return the runs' lengths (a ``balance``).
+
+    Exact, by dynamic programming over prefix sums: ``best[k][i]``, the least largest part of
+    ``costs[:i]`` in ``k`` parts, is ``min over j of max(best[k-1][j], sum(costs[j:i]))``. The
+    first term grows with ``j`` and the second shrinks, so the minimum sits where they cross,
+    found by bisection: O(parts * n log n).
+    """
+    n = len(costs)
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} layers into {parts!r} non-empty parts: give between "
+                         f"1 and {n} partitions")
+    for i, c in enumerate(costs):
+        if not (isinstance(c, numbers.Real) and math.isfinite(c) and c >= 0):
+            raise ValueError(f"costs[{i}] is {c!r}: costs must be finite and non-negative")
+    prefix = list(accumulate((float(c) for c in costs), initial=0.0))
+    best = prefix[:]  # one part: the whole prefix
+    cuts: list[list[int]] = []  # cuts[k-2][i]: where the last of k parts of costs[:i] starts
+    for k in range(2, parts + 1):
+        new, cut = [math.inf] * (n + 1), [0] * (n + 1)
+        for i in range(k, n + 1):
+            lo, hi = k - 1, i - 1  # the last part is costs[j:i], j in [lo, hi]
+            # The first j at which the first k-1 parts cost at least the last one.
+            j = bisect.bisect_left(range(lo, hi + 1), True,
+                                   key=lambda j: best[j] >= prefix[i] - prefix[j]) + lo
+            for c in (j - 1, j):
+                if lo <= c <= hi:
+                    value = max(best[c], prefix[i] - prefix[c])
+                    if value < new[i]:
+                        new[i], cut[i] = value, c
+        best = new
+        cuts.append(cut)
+    sizes, end = [], n
+    for cut in reversed(cuts):
+        sizes.append(end - cut[end])
+        end = cut[end]
+    sizes.append(end)
+    return sizes[::-1]
+
+
+def balance_by_time(module: nn.Sequential, sample: Any, partitions: int, *,
+                    device: torch.device | str | None = None, repeat: int = 3) -> list[int]:
+    """Balance ``module``'s layers by the time of their forward and backward on ``sample``.
+
+    Each layer runs on ``device`` (default: where its parameters are, or the CPU) on the
+    previous layer's output, forward then backward with a cotangent of ones; its cost is the
+    fastest of ``repeat`` runs after one warm-up. A copy of the module is profiled, so the
+    module's parameters, gradients and buffers (BatchNorm's statistics) are left as they were.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+
+    def measure(layer: nn.Module, x: Any, device: torch.device) -> tuple[float, Any]:
+        fastest = math.inf
+        for run in range(repeat + 1):
+            _synchronize(device)
+            start = time.perf_counter()
+            y = layer(x)
+            outputs = [t for t in optree.tree_leaves(y)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            _synchronize(device)
+            if run:
+                fastest = min(fastest, time.perf_counter() - start)
+        return fastest, y
+
+    return partition(_profile(module, sample, partitions, device, measure), partitions)
+
+
+def balance_by_size(module: nn.Sequential, sample: Any, partitions: int, *,
+                    device: torch.device | str | None = None,
+                    param_scale: float = 1.0) -> list[int]:
+    """Balance ``module``'s layers by the memory they hold.
+
+    A layer's cost is ``param_scale`` times the bytes of its parameters (each tensor counted
+    once, in the first layer holding it) plus the bytes of its output on ``sample``: the
+    activation a stage keeps per micro-batch, so give a sample of micro-batch size. Buffers,
+    gradients and temporaries inside a layer are not counted; set ``param_scale`` to cover
+    gradients and optimiser state (2 for SGD with gradients, 4 for Adam).
+    """
+    counted: set[int] = set()
+
+    def measure(layer: nn.Module, x: Any, device: torch.device) -> tuple[float, Any]:
+        with torch.no_grad():
+            y = layer(x)
+        params = [p for p in layer.parameters() if id(p) not in counted]
+        counted.update(id(p) for p in params)
+        return param_scale * _bytes(params) + _bytes(optree.tree_leaves(y)), y
+
+    return partition(_profile(module, sample, partitions, device, measure), partitions)
+
+
+def _profile(module: nn.Sequential, sample: Any, partitions: int,
+             device: torch.device | str | None,
+             measure: Callable[[nn.Module, Any, torch.device], tuple[float, Any]]) -> list[float]:
+    """``measure(layer, x, device) -> (cost, output)`` each layer of a copy of ``module``, on
+    the sample run through the layers before it."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"balancing needs an nn.Sequential of layers, got "
+                        f"{type(module).__name__}")
+    if not 1 <= partitions <= len(module):
+        raise ValueError(f"cannot split {len(module)} layers into {partitions} non-empty parts: "
+                         f"give between 1 and {len(module)} partitions")
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    device = torch.device(device)
+    model = copy.deepcopy(module).to(device)
+    x = _to(sample, device)
+    costs = []
+    for layer in model:
+        # Each layer starts its own graph, so its backward is measured alone.
+        x = optree.tree_map(_leaf_input, x)
+        cost, x = measure(layer, x, device)
+        costs.append(float(cost))
+    return costs
+
+
+def _leaf_input(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+        return leaf.detach().requires_grad_()
+    return leaf
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    return optree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _bytes(tensors: Sequence[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,371 @@
+"""Modules cut into stages train as the plain module does: same outputs, gradients, statistics."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value
+
+import fpipe
+from fpipe.schedules import gpipe, one_f_one_b
+from fpipe.stages import (
+    ModuleStage,
+    StatefulModuleStage,
+    from_modules,
+    from_sequential,
+    load_into,
+)
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh(),
+        nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3),
+    ).double()
+
+
+def batch(n=10, width=6, out=3):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n, width, generator=g, dtype=torch.float64),
+            torch.randn(n, out, generator=g, dtype=torch.float64))
+
+
+def grads_by_tensor(stages, grads):
+    """Pipeline gradients keyed by the module parameter they belong to."""
+    return {id(p): grads[i][name] for i, stage in enumerate(stages)
+            for name, p in stage.module.named_parameters()}
+
+
+SCHEDULES = [gpipe(chunks=1), gpipe(chunks=3), gpipe(chunks=4, remat="always"),
+             one_f_one_b(chunks=3), one_f_one_b(chunks=4, remat="always")]
+
+
+@pytest.mark.parametrize("balance", [[8], [2, 6], [3, 3, 2], [1, 2, 2, 3]])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=repr)
+def test_sequential_gradients_match_the_module(balance, schedule):
+    model = mlp()
+    x, target = batch()
+    whole = {name: p.detach() for name, p in model.named_parameters()}
+    expected_grads, expected_loss = grad_and_value(
+        lambda p: F.mse_loss(functional_call(model, p, (x,)), target))(whole)
+    s = from_sequential(model, balance, stateful=False)
+    assert s.state is None and all(isinstance(f, ModuleStage) for f in s.stages)
+    with fpipe.pipeline(s.stages, s.params, schedule=schedule, loss_fn=F.mse_loss) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+        torch.testing.assert_close(pipe(x), model(x), **TIGHT)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert [sorted(g) for g in grads] == [sorted(p) for p in s.params]
+    merged = {name: g for part in grads for name, g in part.items()}
+    assert merged.keys() == expected_grads.keys()
+    for name, g in expected_grads.items():
+        torch.testing.assert_close(merged[name], g, **TIGHT)
+
+
+def test_params_are_detached_copies_on_the_devices():
+    model = mlp()
+    s = from_sequential(model, [3, 5], devices=["cpu", torch.device("cpu")])
+    assert list(s.params[0]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert s.state == [{}, {}]
+    for part in s.params:
+        for t in part.values():
+            assert t.is_leaf and not t.requires_grad and not isinstance(t, nn.Parameter)
+            assert t.device == torch.device("cpu")
+    s.params[0]["0.weight"].zero_()
+    assert model[0].weight.abs().sum() > 0  # the module is not aliased
+
+
+def test_training_then_load_into_hands_the_model_back():
+    model, reference = mlp(), mlp()
+    x, target = batch()
+    s = from_sequential(model, [4, 4], stateful=False)
+    leaves = [t for part in s.params for t in part.values()]
+    optimizer = torch.optim.SGD(leaves, lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with fpipe.pipeline(s.stages, s.params, schedule=one_f_one_b(chunks=2),
+                        loss_fn=F.mse_loss) as pipe:
+        for _ in range(3):
+            _, grads = pipe.value_and_grad(x, target)
+            for leaf, g in zip(leaves, [g for part in grads for g in part.values()]):
+                leaf.grad = g
+            optimizer.step()
+            reference_optimizer.zero_grad()
+            F.mse_loss(reference(x), target).backward()
+            reference_optimizer.step()
+    load_into(model, s.params, s.state)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name)
+
+
+# The torchvision-ResNet recipe (README, "From nn.Module") on a small model built from torch.nn.
+
+class Bottleneck(nn.Module):
+    def __init__(self, channels, norm, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, stride, padding=1, bias=False)
+        self.bn1 = norm(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = norm(channels)
+        self.downsample = nn.AvgPool2d(stride) if stride > 1 else nn.Identity()
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.downsample(x) + self.bn2(self.conv2(h)))
+
+
+class ResNetLike(nn.Module):
+    """torchvision's ResNet layout in miniature: a forward that is not an nn.Sequential."""
+
+    def __init__(self, norm, channels=4, classes=5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn1 = norm(channels)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(2)
+        self.layer1 = nn.Sequential(Bottleneck(channels, norm), Bottleneck(channels, norm))
+        self.layer2 = nn.Sequential(Bottleneck(channels, norm, stride=2),
+                                    Bottleneck(channels, norm))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def flatten_resnet(m):
+    """The README recipe: stem, every block, pooling + flatten, classifier."""
+    return nn.Sequential(nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool),
+                         *m.layer1, *m.layer2,
+                         nn.Sequential(m.avgpool, nn.Flatten()), m.fc)
+
+
+class Stem(nn.Module):
+    """An adapter for from_modules: references the model's layers, owns nothing new."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.conv1, self.bn1, self.maxpool = m.conv1, m.bn1, m.maxpool
+
+    def forward(self, x):
+        return self.maxpool(F.relu(self.bn1(self.conv1(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.avgpool, self.fc = m.avgpool, m.fc
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def group_norm(c):
+    return nn.GroupNorm(2, c)
+
+
+def resnet_batch(n=6):
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64),
+            torch.randint(0, 5, (n,), generator=g))
+
+
+def reference_grads(model, x, target):
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), target)
+    loss.backward()
+    return loss.detach(), {id(p): p.grad for p in model.parameters()}
+
+
+@pytest.mark.parametrize("cut", ["recipe", "from_modules"])
+@pytest.mark.parametrize("schedule", [gpipe(chunks=3), one_f_one_b(chunks=2, remat="always")],
+                         ids=repr)
+def test_resnet_like_model_matches_its_own_forward(cut, schedule):
+    torch.manual_seed(0)
+    model = ResNetLike(group_norm).double()
+    x, target = resnet_batch()
+    expected_loss, expected = reference_grads(model, x, target)
+    if cut == "recipe":
+        flat = flatten_resnet(model)
+        s = from_sequential(flat, [2, 2, 1, 2], stateful=False)
+    else:
+        s = from_modules([Stem(model), model.layer1, model.layer2, Head(model)], stateful=False)
+    with fpipe.pipeline(s.stages, s.params, schedule=schedule,
+                        loss_fn=F.cross_entropy) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+        torch.testing.assert_close(pipe(x), model(x), **TIGHT)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    got = grads_by_tensor(s.stages, grads)
+    assert got.keys() == expected.keys()
+    for key, g in expected.items():
+        torch.testing.assert_close(got[key], g, **TIGHT)
+
+
+# Buffers: stateful stages.
+
+def bn_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+                         nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def test_stateful_stage_returns_new_state_and_leaves_the_old_one():
+    model = bn_model()
+    plain = copy.deepcopy(model)
+    s = from_sequential(model, [3, 4])
+    assert isinstance(s.stages[0], StatefulModuleStage)
+    assert sorted(s.state[0]) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    x, _ = batch()
+    before = {k: v.clone() for k, v in s.state[0].items()}
+    y, new_state = s.stages[0](s.params[0], s.state[0], x)
+    for k, v in s.state[0].items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    torch.testing.assert_close(y, plain[:3](x), **TIGHT)
+    for name, buffer in plain.named_buffers():
+        if name in new_state:
+            torch.testing.assert_close(new_state[name], buffer, rtol=0, atol=0)
+    assert int(new_state["1.num_batches_tracked"]) == 1
+
+
+def test_stateful_stage_under_vjp():
+    """The driver differentiates stages with torch.func.vjp; BatchNorm's in-place update of the
+    cloned statistics must work under it, and the gradient be the plain module's."""
+    model = bn_model()
+    s = from_sequential(model, [7])
+    x, target = batch()
+
+    def loss(params):
+        y, new_state = s.stages[0](params, s.state[0], x)
+        return F.mse_loss(y, target), new_state
+
+    value, vjp_fn, new_state = torch.func.vjp(loss, s.params[0], has_aux=True)
+    (grads,) = vjp_fn(torch.ones_like(value))
+    model.zero_grad()
+    F.mse_loss(model(x), target).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TIGHT)
+    for name, buffer in model.named_buffers():
+        torch.testing.assert_close(new_state[name], buffer, rtol=0, atol=0)
+
+
+def per_microbatch_reference(model, x, target, chunks):
+    """Plain BatchNorm semantics: one forward, one momentum update per micro-batch, in order;
+    gradients of the mean loss over the batch."""
+    model.zero_grad()
+    for xs, ts in zip(x.tensor_split(chunks), target.tensor_split(chunks)):
+        (F.mse_loss(model(xs), ts) * (len(xs) / len(x))).backward()
+
+
+@pytest.mark.parametrize("balance", [[2, 5], [3, 2, 2]])
+@pytest.mark.parametrize("schedule", [gpipe(chunks=3), gpipe(chunks=3, remat="always"),
+                                      one_f_one_b(chunks=4)], ids=repr)
+def test_batchnorm_gradients_and_running_stats(balance, schedule):
+    model = bn_model()
+    plain = copy.deepcopy(model)
+    x, target = batch(n=11)
+    per_microbatch_reference(plain, x, target, schedule.program(1).n_microbatches)
+    s = from_sequential(model, balance)
+    with fpipe.pipeline(s.stages, s.params, state=s.state, schedule=schedule,
+                        loss_fn=F.mse_loss) as pipe:
+        _, grads, new_state = pipe.value_and_grad(x, target, state=s.state)
+    got = grads_by_tensor(s.stages, grads)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got[id(p)], q.grad, **TIGHT)
+    load_into(model, s.params, new_state)
+    for (name, b), reference in zip(model.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(b, reference, **TIGHT, msg=name)
+
+
+def test_resnet_with_batchnorm_recipe_trains_like_the_module():
+    torch.manual_seed(0)
+    model = ResNetLike(nn.BatchNorm2d).double()
+    plain = copy.deepcopy(model)
+    x, target = resnet_batch(n=8)
+    plain.zero_grad()
+    for xs, ts in zip(x.tensor_split(2), target.tensor_split(2)):
+        (F.cross_entropy(plain(xs), ts) / 2).backward()
+    s = from_sequential(flatten_resnet(model), [2, 3, 2])
+    with fpipe.pipeline(s.stages, s.params, state=s.state, schedule=gpipe(chunks=2),
+                        loss_fn=F.cross_entropy) as pipe:
+        _, grads, new_state = pipe.value_and_grad(x, target, state=s.state)
+    got = grads_by_tensor(s.stages, grads)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got[id(p)], q.grad, **TIGHT)
+    load_into(flatten_resnet(model), s.params, new_state)
+    for b, reference in zip(model.buffers(), plain.buffers()):
+        torch.testing.assert_close(b, reference, **TIGHT)
+
+
+# Errors.
+
+@pytest.mark.parametrize("balance, message", [
+    ([3, 4], "sums to 7 layers but the module has 8"),
+    ([4, 0, 4], r"balance\[1\] is 0"),
+    ([9, -1], r"balance\[1\] is -1"),
+    ([4.0, 4], r"balance\[0\] is 4.0"),
+    ([], "balance is empty"),
+])
+def test_balance_errors(balance, message):
+    with pytest.raises(ValueError, match=message):
+        from_sequential(mlp(), balance)
+
+
+def test_more_partitions_than_devices():
+    with pytest.raises(ValueError, match="3 partitions but only 2 devices"):
+        from_sequential(mlp(), [2, 3, 3], devices=["cpu", "cpu"])
+
+
+def test_not_a_sequential():
+    with pytest.raises(TypeError, match="from_modules"):
+        from_sequential(ResNetLike(group_norm), [1])
+
+
+def test_stateless_stages_refuse_buffers():
+    with pytest.raises(ValueError, match=r"stage 1 has buffers \['1.num_batches_tracked'"):
+        from_sequential(bn_model(), [1, 6], stateful=False)
+
+
+def test_tied_parameters_are_refused_naming_both_stages():
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.ReLU(), last)
+    from_sequential(model, [3])  # tied within one stage: fine
+    with pytest.raises(ValueError, match=r"'0.weight' of stage 0 and '2.weight' of stage 1"):
+        from_sequential(model, [2, 1])
+
+
+def test_load_into_errors():
+    model = mlp()
+    s = from_sequential(model, [4, 4])
+    with pytest.raises(KeyError, match="stage 1's '5.weight' is not a parameter"):
+        load_into(model[:4], s.params)
+    with pytest.raises(ValueError, match="got 1 modules but 2 parameter dicts"):
+        load_into([model], s.params)
+
+
+def test_readme_from_module_snippet_runs():
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"## From nn.Module\n.*?```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+
+
+def test_gpt_example_learns_and_hands_the_model_back(capsys):
+    spec = importlib.util.spec_from_file_location("gpt_pipeline",
+                                                  ROOT / "examples" / "gpt_pipeline.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    first, trained = example.main(["--steps", "8", "--schedule", "1f1b"])
+    # The loss is that of the GPT's own forward after load_into, on fresh data.
+    assert trained < 0.7 * first
+    assert "loss" in capsys.readouterr().out
