@@ -9,6 +9,7 @@ program::
 """
 
 from fpipe.errors import BatchError, PlacementError, StageError
+from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
 from fpipe.recompute import is_recomputing
 from fpipe.schedules import Action, Op, Program, ScheduleError, gpipe, one_f_one_b, validate
@@ -16,6 +17,6 @@ from fpipe.schedules import Action, Op, Program, ScheduleError, gpipe, one_f_one
 __version__ = "0.1.0"
 
 __all__ = [
-    "pipeline", "Pipeline", "is_recomputing", "gpipe", "one_f_one_b", "Program", "Action", "Op",
-    "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
+    "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b", "Program",
+    "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
 ]

@@ -103,7 +103,7 @@ class Step:
 
     def __init__(self, params: list, state: list, inputs: list | None, targets: list | None,
                  weights: list, sizes: list, seed: int, training: bool,
-                 on_abort: Callable[[], None]) -> None:
+                 on_abort: Callable[[], None], open_ended: bool = False) -> None:
         self.params = params
         self.state = list(state)
         self.inputs = inputs
@@ -112,6 +112,11 @@ class Step:
         self.sizes = sizes
         self.seed = seed
         self.training = training
+        # An open-ended training step has no loss: the caller gives the cotangents of the last
+        # stage's outputs and takes the gradients of the first stage's inputs (module face).
+        self.open_ended = open_ended
+        self.output_cotangents: list | None = None
+        self.input_grads: list = [None] * len(sizes)
         # Per (stage, micro-batch): what a recompute needs, and the vjp with its input counts.
         self.saved: dict[tuple[int, int], tuple] = {}
         self.vjps: dict[tuple[int, int], tuple[Callable, tuple[int, ...]]] = {}
@@ -122,11 +127,15 @@ class Step:
         self.error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._on_abort = on_abort
+        self.inboxes: list[Inbox] = []  # the local driver's, kept for a step run in two calls
 
     def fail(self, error: BaseException) -> None:
         with self._error_lock:
             if self.error is None:
                 self.error = error
+        self._on_abort()
+
+    def abort(self) -> None:
         self._on_abort()
 
     def grads_out(self) -> list:
@@ -162,18 +171,17 @@ class Interpreter:
         self.devices = list(devices)
         self.routes = skip_routes(stages)
 
-        def call(s: int, fn: Callable, spec: Any, training: bool) -> StageCall | None:
+        def calls(grad_input: Callable[[int], bool], loss: Callable | None) -> list:
             # A ``None`` spec marks a stage this process does not hold (distributed): no call.
-            if spec is None:
-                return None
-            return StageCall(fn, spec, grad_input=training and s > 0,
-                             loss_fn=loss_fn if training and s == n - 1 else None,
-                             stateful=stateful, pops=pops(fn), stashes=stashes(fn))
+            return [None if spec is None else
+                    StageCall(fn, spec, grad_input=grad_input(s),
+                              loss_fn=loss if s == n - 1 else None, stateful=stateful,
+                              pops=pops(fn), stashes=stashes(fn))
+                    for s, (fn, spec) in enumerate(zip(stages, param_specs))]
 
-        self.inference_calls = [call(s, fn, spec, False)
-                                for s, (fn, spec) in enumerate(zip(stages, param_specs))]
-        self.training_calls = [call(s, fn, spec, True)
-                               for s, (fn, spec) in enumerate(zip(stages, param_specs))]
+        self.inference_calls = calls(lambda s: False, None)
+        self.training_calls = calls(lambda s: s > 0, loss_fn)
+        self.open_ended_calls = calls(lambda s: True, None)
         self.transport = transport
         self.random = RandomStages(self.devices)
 
@@ -186,7 +194,8 @@ class Interpreter:
 
     def _run(self, step: Step, actions: tuple, channel: Channel) -> None:
         devices, transport, random, routes = self.devices, self.transport, self.random, self.routes
-        calls = self.training_calls if step.training else self.inference_calls
+        calls = (self.open_ended_calls if step.open_ended else
+                 self.training_calls if step.training else self.inference_calls)
         last = len(devices) - 1
         code = stage = microbatch = x = None
         try:
@@ -217,7 +226,8 @@ class Interpreter:
                     if code == _DROPPED and step.training:
                         step.saved[key] = (x, state, popped)
                     if stage == last:
-                        step.outputs[microbatch] = outs if step.training else outs[0].tree()
+                        step.outputs[microbatch] = (outs[0] if step.open_ended else
+                                                    outs if step.training else outs[0].tree())
                         continue
                     size = step.sizes[microbatch]
                     _check_output(outs[0], size, "output")
@@ -234,13 +244,15 @@ class Interpreter:
                                                                  True), recomputing():
                         *_, vjp_fn = call.forward_vjp(
                             step.params[stage], x, state, popped,
-                            step.targets[microbatch] if stage == last else None,
+                            step.targets[microbatch] if step.targets is not None else None,
                             step.weights[microbatch])
                     step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
                 elif code == _BACKWARD_WEIGHT:
                     self.accumulate(step, stage, step.pending_weight_grads.pop(key))
                 else:
-                    if stage == last:
+                    if stage == last and step.open_ended:
+                        cotangent = list(step.output_cotangents[microbatch])
+                    elif stage == last:
                         cotangent = [torch.ones_like(step.outputs[microbatch])]
                     else:
                         cotangent = list(channel.receive(("g", stage, microbatch), device))
@@ -253,7 +265,9 @@ class Interpreter:
                         self.accumulate(step, stage, param_grads)
                     else:
                         step.pending_weight_grads[key] = param_grads
-                    if stage > 0:
+                    if stage == 0 and step.open_ended:
+                        step.input_grads[microbatch] = list(input_grads)
+                    elif stage > 0:
                         # Input gradients in input order: the previous stage's output first,
                         # then each popped skip's, back to the stage that stashed it.
                         end = counts[0]
@@ -347,39 +361,86 @@ class LocalDriver:
               sizes: list[int]) -> tuple[list[Any], list]:
         """Forward every micro-batch; returns the last stage's outputs, one pytree each, and
         each stage's state after the last micro-batch."""
-        step = self._run(program, False, params, state, inputs, None, [1.0] * len(inputs),
-                         sizes)
+        step = self._start(program, False, params, state, inputs, None, [1.0] * len(inputs),
+                           sizes)
+        self._run(program, step, _everything)
         return step.outputs, step.state
 
     def train(self, program: Program, params: list, state: list, inputs: list[Value],
               targets: list, weights: list[float], sizes: list[int]) -> TrainResult:
-        step = self._run(program, True, params, state, inputs, targets, weights, sizes)
+        step = self._start(program, True, params, state, inputs, targets, weights, sizes)
+        self._run(program, step, _everything)
         return TrainResult(step.outputs, step.grads_out(), step.state)
 
-    def _run(self, program: Program, training: bool, params: list, state: list, inputs: list,
-             targets: list | None, weights: list, sizes: list) -> Step:
-        plan = self.prepare(program, training)
-        seed = StepSeed(self.devices)
-        inboxes = [Inbox() for _ in range(len(plan))]
+    def begin(self, program: Program, params: list, state: list, inputs: list[Value],
+              sizes: list[int]) -> Step:
+        """The first half of an open-ended training step: every worker's leading forwards.
+
+        For programs whose workers run all their forwards first (GPipe): ``step.outputs`` then
+        holds the last stage's output per micro-batch, and :meth:`finish` runs the rest once
+        their cotangents are known, as an autograd backward does.
+        """
+        plan = self.prepare(program, True)
+        if any(code <= _DROPPED for actions in plan for code, _, _ in _after_forwards(actions)):
+            raise ValueError("a step run in two calls needs a program whose workers run all "
+                             "their forwards before any other action, such as gpipe's")
+        step = self._start(program, True, params, state, inputs, None, [1.0] * len(inputs),
+                           sizes, open_ended=True)
+        self._run(program, step, _forwards)
+        return step
+
+    def finish(self, program: Program, step: Step, cotangents: list[list]) -> TrainResult:
+        """The rest of a step :meth:`begin` started, given the outputs' cotangents; the
+        inputs' gradients are left in ``step.input_grads``."""
+        step.output_cotangents = cotangents
+        self._run(program, step, _after_forwards)
+        return TrainResult(None, step.grads_out(), step.state)
+
+    def _start(self, program: Program, training: bool, params: list, state: list,
+               inputs: list, targets: list | None, weights: list, sizes: list,
+               open_ended: bool = False) -> Step:
+        inboxes = [Inbox() for _ in range(program.n_workers)]
 
         def abort() -> None:
             for inbox in inboxes:
                 inbox.abort()
 
-        step = Step(params, state, inputs, targets, weights, sizes, seed.seed, training, abort)
-        owners = program.placement
-        jobs = [partial(self.interpreter.run, step, plan[w],
-                        _LocalChannel(inboxes, w, owners, self.transport, self.devices))
+        step = Step(params, state, inputs, targets, weights, sizes, None, training, abort,
+                    open_ended)
+        step.inboxes = inboxes
+        return step
+
+    def _run(self, program: Program, step: Step, part: Callable[[tuple], tuple]) -> None:
+        """Run ``part`` of each worker's compiled actions: all of them, or one half."""
+        plan = self.prepare(program, step.training)
+        seed = StepSeed(self.devices, step.seed)
+        step.seed = seed.seed
+        jobs = [partial(self.interpreter.run, step, part(plan[w]),
+                        _LocalChannel(step.inboxes, w, program.placement, self.transport,
+                                      self.devices))
                 for w in range(len(plan))]
         self.transport.begin_step()
         try:
-            self.pool.run(jobs, abort)
+            self.pool.run(jobs, step.abort)
         finally:
             self.transport.end_step()
             seed.restore()
         if step.error is not None:
             raise step.error
-        return step
+
+
+def _everything(actions: tuple) -> tuple:
+    return actions
+
+
+def _forwards(actions: tuple) -> tuple:
+    """The forwards a worker runs before anything else."""
+    end = next((i for i, (code, _, _) in enumerate(actions) if code > _DROPPED), len(actions))
+    return actions[:end]
+
+
+def _after_forwards(actions: tuple) -> tuple:
+    return actions[len(_forwards(actions)):]
 
 
 def _check_output(out: Value, size: int, what: str) -> None:

@@ -167,6 +167,55 @@ class Pipeline:
                  for spec, g in zip(self.param_specs, result.grads)]
         return (loss, grads, result.state) if self.stateful else (loss, grads)
 
+    def vjp(self, x: Any, *, params: Sequence[Any] | None = None,
+            state: Sequence[Any] | None = None) -> tuple:
+        """The output for the whole batch and its vjp function, as ``torch.func.vjp`` gives:
+        ``y, vjp_fn = pipe.vjp(x)``, then ``grads, x_grad = vjp_fn(y_cotangent)`` (once).
+
+        For a loss computed outside the pipeline, e.g. by autograd (``fpipe.GPipe``). The
+        schedule must run every worker's forwards first (``gpipe``): the forwards run now,
+        recomputes and backwards in ``vjp_fn``. ``x_grad`` is shaped like ``x``, with ``None``
+        at leaves that carry no gradient. A stateful pipeline returns
+        ``(y, vjp_fn, new_state)``.
+        """
+        leaves = self._param_leaves(params)
+        states = self._state(state)
+        n = microbatch.batch_size(x, "input")
+        inputs = [flatten(mb) for mb in
+                  microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")]
+        sizes = microbatch.sizes(n, self.chunks)
+        step = self._driver.begin(self.program, leaves, states, inputs, sizes)
+        outputs = step.outputs
+        y = microbatch.join([out.tree() for out in outputs])
+        used = []
+
+        def vjp_fn(cotangent: Any) -> tuple[list, Any]:
+            if used:
+                raise RuntimeError("this vjp function was called already: a pipeline step "
+                                   "runs its backward once")
+            used.append(True)
+            pieces = microbatch.split(self._to(cotangent, self.devices[-1]), self.chunks,
+                                      "cotangent")
+            cotangents = []
+            for out, piece in zip(outputs, pieces):
+                leaves_of = optree.tree_leaves(piece, none_is_leaf=True)
+                if len(leaves_of) != len(out.leaves):
+                    raise ValueError(f"the cotangent has {len(leaves_of)} leaves but the "
+                                     f"output has {len(out.leaves)}")
+                cotangents.append([leaves_of[i] for i in out.grad_index])
+            result = self._driver.finish(self.program, step, cotangents)
+            grads = [optree.tree_unflatten(spec, g)
+                     for spec, g in zip(self.param_specs, result.grads)]
+            input_grads = []
+            for value, found in zip(inputs, step.input_grads):
+                full = [None] * len(value.leaves)
+                for i, grad in zip(value.grad_index, found):
+                    full[i] = grad
+                input_grads.append(optree.tree_unflatten(value.spec, full))
+            return grads, microbatch.join(input_grads)
+
+        return (y, vjp_fn, step.state) if self.stateful else (y, vjp_fn)
+
     def close(self) -> None:
         """Stop the worker threads (a later step starts them again)."""
         self._driver.close()

@@ -60,11 +60,12 @@ def _lock(device: torch.device) -> threading.Lock:
 
 
 class StepSeed:
-    """Draws a step's seed from the caller's generators, and restores them after the step."""
+    """Draws a step's seed from the caller's generators (unless the step already has one, as
+    in the second half of a step run in two calls), and restores them after the step."""
 
-    def __init__(self, devices: list[torch.device]) -> None:
+    def __init__(self, devices: list[torch.device], seed: int | None = None) -> None:
         self.generators = list({id(g): g for g in map(_generator, devices)}.values())
-        self.seed = int(torch.empty((), dtype=torch.int64).random_())
+        self.seed = int(torch.empty((), dtype=torch.int64).random_()) if seed is None else seed
         self.states = [g.get_state() for g in self.generators]
 
     def restore(self) -> None:

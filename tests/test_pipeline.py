@@ -234,3 +234,33 @@ def test_float32_training_with_torch_optim():
             optimizer.step()
             losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
+def test_vjp_matches_torch_func_vjp(remat):
+    stages, params = pytree_model()
+    n = 7
+    batch = {"ids": torch.randint(0, 11, (n,)), "features": torch.randn(n, 4, dtype=torch.float64),
+             "scale": 2.0}
+    cotangent = torch.randn(n, 3, dtype=torch.float64)
+    with fpipe.pipeline(stages, params, schedule=gpipe(chunks=3, remat=remat)) as pipe:
+        y, vjp_fn = pipe.vjp(batch)
+        grads, batch_grad = vjp_fn(cotangent)
+        with pytest.raises(RuntimeError, match="called already"):
+            vjp_fn(cotangent)
+
+    def plain(ps, features):
+        return forward(stages, ps, {**batch, "features": features})
+
+    expected_y, expected_vjp = torch.func.vjp(plain, params, batch["features"])
+    expected_grads, expected_features_grad = expected_vjp(cotangent)
+    torch.testing.assert_close(y, expected_y, **TIGHT)
+    assert_trees_close(grads, expected_grads)
+    torch.testing.assert_close(batch_grad["features"], expected_features_grad, **TIGHT)
+    assert batch_grad["ids"] is None and batch_grad["scale"] is None
+
+
+def test_vjp_needs_forwards_first():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=one_f_one_b(chunks=2)) as pipe:
+        with pytest.raises(ValueError, match="run all their forwards before any other action"):
+            pipe.vjp(torch.randn(4, 8, dtype=torch.float64))

@@ -81,7 +81,7 @@ def from_sequential(module: nn.Sequential, balance: Sequence[int],
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"from_sequential takes an nn.Sequential, got {type(module).__name__}; "
                         f"cut other models with from_modules([...])")
-    balance = _check_balance(balance, len(module))
+    balance = check_balance(balance, len(module))
     bounds = [0]
     for size in balance:
         bounds.append(bounds[-1] + size)
@@ -155,7 +155,7 @@ def _place(named: Any, device: torch.device) -> Tensors:
     return {name: t.detach().to(device, copy=True) for name, t in named}
 
 
-def _check_balance(balance: Sequence[int], n_layers: int) -> list[int]:
+def check_balance(balance: Sequence[int], n_layers: int) -> list[int]:
     balance = list(balance)
     if not balance:
         raise ValueError("balance is empty: give the number of layers of each partition")
