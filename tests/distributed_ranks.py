@@ -20,6 +20,7 @@ from models import block, mlp_params, mse
 
 import fpipe.distributed as fdist
 from fpipe.schedules import Program
+from fpipe.stages import skippable
 
 # -- the harness ---------------------------------------------------------------------------------
 
@@ -106,6 +107,17 @@ def interleaved_program() -> Program:
     """)
 
 
+@skippable(stash=["enc"])
+def skip_encode(p, x):
+    h = block(p, x)
+    return h, {"enc": h}
+
+
+@skippable(pop=["enc"])
+def skip_decode(p, x, skips):
+    return block(p, x) + skips["enc"]
+
+
 def cases(world: int) -> list[tuple]:
     """(name, stages, schedule, steps of (x, target)), the same on every rank and in the parent."""
     n_stages = world
@@ -122,6 +134,9 @@ def cases(world: int) -> list[tuple]:
              [tree_batch(6, 5, seed=5), tree_batch(5, 9, seed=6)]),
             ("interleaved", [block] * 4, interleaved_program(), [data(6, 8, seed=7)]),
         ]
+    else:
+        result.append(("skip", [skip_encode, block, block, skip_decode],
+                       fdist_schedule("1f1b", 3), [data(9, 8, seed=8)]))
     return result
 
 

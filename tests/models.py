@@ -28,18 +28,21 @@ def mse(y, t):
 def whole_batch(stages, params, x, target, loss_fn):
     """Loss and gradients of the unpipelined model on the whole batch (``torch.func``)."""
     def loss(ps):
-        h = x
-        for stage, p in zip(stages, ps):
-            h = stage(p, h)
-        return loss_fn(h, target)
+        return loss_fn(forward(stages, ps, x), target)
     grads, value = grad_and_value(loss)(params)
     return value, grads
 
 
 def forward(stages, params, x):
+    """The stages one after the other, skip connections passed by hand."""
+    skips = {}
     h = x
     for stage, p in zip(stages, params):
-        h = stage(p, h)
+        popped = getattr(stage, "pop", ())
+        h = stage(p, h, {name: skips.pop(name) for name in popped}) if popped else stage(p, h)
+        if getattr(stage, "stash", ()):
+            h, stashed = h
+            skips.update(stashed)
     return h
 
 
