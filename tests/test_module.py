@@ -130,3 +130,19 @@ def test_attributes_and_refusals():
         fpipe.GPipe(model(), [5], chunks=0)
     with pytest.raises(ValueError, match="2 partitions but only 1 devices"):
         fpipe.GPipe(model(), [2, 3], devices=["cpu"])
+
+
+def test_dropout_is_reproduced_by_the_recompute():
+    def grads_with(checkpoint, seed=1):
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 16),
+                               nn.Dropout(0.5), nn.Linear(16, 2)).double()
+        piped = fpipe.GPipe(layers, [2, 3], chunks=3, checkpoint=checkpoint)
+        torch.manual_seed(seed)
+        piped(torch.ones(6, 6, dtype=torch.float64)).sum().backward()
+        return [p.grad for p in piped.parameters()]
+
+    never, always = grads_with("never"), grads_with("always")
+    for a, b in zip(never, always):
+        assert torch.equal(a, b)
+    assert not torch.equal(never[0], grads_with("never", seed=2)[0])  # dropout is active
