@@ -88,10 +88,10 @@ def test_remat_stage_beyond_the_pipeline_rejected():
 
 def test_gpipe_program_shape():
     assert str(gpipe(3, "never").program(2)) == (
-        "worker 0: 0F0 0F1 0F2 0B2 0B1 0B0\n"
-        "worker 1: 1F0 1F1 1F2 1B2 1B1 1B0"
+        "worker 0: 0F0 0F1 0F2 0B0 0B1 0B2\n"
+        "worker 1: 1F0 1F1 1F2 1B0 1B1 1B2"
     )
-    assert str(gpipe(3).program(1)) == "worker 0: 0F0 0F1 0F2 0B2 0R1 0B1 0R0 0B0"
+    assert str(gpipe(3).program(1)) == "worker 0: 0F0 0F1 0F2 0R0 0B0 0R1 0B1 0B2"
 
 
 def test_one_f_one_b_program_shape():

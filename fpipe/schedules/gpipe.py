@@ -25,11 +25,15 @@ class GPipe:
         object.__setattr__(self, "remat", normalize_remat(self.remat))
 
     def program(self, n_stages: int) -> Program:
-        """Worker k holds stage k: all forwards in order, then all backwards in reverse."""
+        """Worker k holds stage k: all forwards, then all backwards, in micro-batch order.
+
+        Backwards in micro-batch order, as in every shipped schedule, sum each stage's
+        gradients in the same order, so schedules doing the same arithmetic per micro-batch
+        give bitwise identical gradients."""
         positive_int("n_stages", n_stages)
         mbs = range(self.chunks)
         workers = [
-            [Action(k, F, m) for m in mbs] + [Action(k, B, m) for m in reversed(mbs)]
+            [Action(k, F, m) for m in mbs] + [Action(k, B, m) for m in mbs]
             for k in range(n_stages)
         ]
         return apply_remat(Program(workers, n_stages, self.chunks), self.remat)

@@ -19,9 +19,9 @@ def normalize_remat(policy: object) -> RematPolicy:
     """The hashable canonical form of a policy, or a ValueError saying what is accepted.
 
     ``"always"`` recomputes every (stage, micro-batch); ``"except_last"`` every one except the
-    last micro-batch, whose backward comes first in GPipe so keeping it costs nothing (the
-    meaning torchgpipe gives it); ``"never"`` none; an iterable of stage indices recomputes
-    those stages on every micro-batch.
+    last micro-batch (the meaning torchgpipe gives it: the last forward is the one closest to
+    the backwards, so keeping its activations costs the least time alive); ``"never"`` none;
+    an iterable of stage indices recomputes those stages on every micro-batch.
     """
     accepted = f"one of {', '.join(map(repr, POLICIES))}, or a set of stage indices"
     if isinstance(policy, str):
