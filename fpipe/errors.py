@@ -10,6 +10,17 @@ class BatchError(ValueError):
     """A batch cannot be split as asked: too few samples, or leaves disagreeing on dim 0."""
 
 
+class NonFiniteLossError(FloatingPointError):
+    """A step's loss is NaN or infinite; ``microbatches`` lists where."""
+
+    def __init__(self, message: str, microbatches: list[int]) -> None:
+        super().__init__(message)
+        self.microbatches = microbatches
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.microbatches)
+
+
 class PlacementError(ValueError):
     """Stages, parameters and devices do not fit together."""
 

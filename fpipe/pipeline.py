@@ -17,7 +17,7 @@ import torch
 from fpipe import microbatch
 from fpipe.autodiff import flatten
 from fpipe.driver import LocalDriver
-from fpipe.errors import BatchError, PlacementError
+from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
 from fpipe.schedules.actions import Program
 
 __all__ = ["pipeline", "Pipeline"]
@@ -28,7 +28,7 @@ Stage = Callable[[Any, Any], Any]
 def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
-             state: Sequence[Any] | None = None) -> Pipeline:
+             state: Sequence[Any] | None = None, nonfinite: str = "raise") -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -46,9 +46,13 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             and must not change ``state`` in place. Each stage's state flows through its
             forwards in micro-batch order (a recompute sees what its forward saw), and calls
             return the state after the last micro-batch.
+        nonfinite: what a NaN or infinite loss does: ``"raise"`` (the default) raises
+            :class:`fpipe.NonFiniteLossError` naming the micro-batches whose loss is not
+            finite, which costs one host synchronisation per step on CUDA; ``"ignore"``
+            returns the loss as it is, for callers that check it themselves (loss scaling).
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
-                    state=state)
+                    state=state, nonfinite=nonfinite)
 
 
 class Pipeline:
@@ -70,7 +74,7 @@ class Pipeline:
     def __init__(self, stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
-                 state: Sequence[Any] | None = None) -> None:
+                 state: Sequence[Any] | None = None, nonfinite: str = "raise") -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
@@ -92,6 +96,9 @@ class Pipeline:
                             f"Program, got {type(schedule).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if nonfinite not in ("raise", "ignore"):
+            raise ValueError(f"nonfinite must be 'raise' or 'ignore', got {nonfinite!r}")
+        self.nonfinite = nonfinite
 
         self.stages = tuple(stages)
         self.schedule = schedule
@@ -162,7 +169,15 @@ class Pipeline:
         result = self._driver.train(self.program, leaves, states,
                                     [flatten(mb) for mb in inputs], targets,
                                     [size / n for size in sizes], sizes)
-        loss = torch.stack(result.losses).sum()
+        losses = torch.stack(result.losses)
+        if self.nonfinite == "raise":
+            bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
+            if bad:
+                raise NonFiniteLossError(
+                    f"the loss is not finite on micro-batch(es) {bad} (values "
+                    f"{[losses[m].item() for m in bad]}); no gradient was returned. Build the "
+                    f"pipeline with nonfinite='ignore' to handle this yourself", bad)
+        loss = losses.sum()
         grads = [optree.tree_unflatten(spec, g)
                  for spec, g in zip(self.param_specs, result.grads)]
         return (loss, grads, result.state) if self.stateful else (loss, grads)

@@ -10,7 +10,7 @@ from models import block, mlp_params, mse
 
 import fpipe
 from fpipe import BatchError, PlacementError, ScheduleError, StageError
-from fpipe.schedules import Program, gpipe, one_f_one_b
+from fpipe.schedules import Program, gpipe
 
 
 def data(n=6, width=8):
@@ -148,70 +148,6 @@ def test_output_does_not_fit_next_stage_names_both_stages_and_shapes():
     assert "stage 2 failed in the forward of micro-batch" in message
     assert "from stage 1: Tensor(3, 5) float64" in message
     assert info.value.stage == 2 and info.value.op == "forward"
-
-
-class FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("boom in backward")
-
-
-def faulty_stages(where, fail_stage, fail_microbatch, chunks):
-    """Stages in which (fail_stage, fail_microbatch) raises in the forward, the recompute (its
-    second call) or the backward."""
-    calls = {}
-
-    def make(s):
-        def stage(p, x):
-            m = int(x[0, 0].item())  # the micro-batch index rides in the first column
-            calls[(s, m)] = calls.get((s, m), 0) + 1
-            hit = (s, m) == (fail_stage, fail_microbatch)
-            if hit and where == "forward":
-                raise RuntimeError("boom in forward")
-            if hit and where == "recompute" and calls[(s, m)] % 2 == 0:
-                raise RuntimeError("boom in recompute")
-            y = x + 0 * p["w"].sum()
-            return FailsInBackward.apply(y) if hit and where == "backward" else y
-        return stage
-
-    return [make(s) for s in range(3)]
-
-
-@pytest.mark.parametrize("where", ["forward", "recompute", "backward"])
-@pytest.mark.parametrize("fail_stage", [0, 1, 2])
-@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
-def test_stage_raising_names_stage_and_microbatch(where, fail_stage, make):
-    chunks = 3
-    x = torch.arange(chunks, dtype=torch.float64).repeat_interleave(2)[:, None].repeat(1, 8)
-    target = torch.zeros_like(x)
-    params = mlp_params(3)
-    stages = faulty_stages(where, fail_stage, 1, chunks)
-    threads_before = threading.active_count()
-    with fpipe.pipeline(stages, params, schedule=make(chunks=chunks, remat="always"),
-                        loss_fn=mse) as pipe:
-        with pytest.raises(StageError) as info:
-            pipe.value_and_grad(x, target)
-        assert info.value.stage == fail_stage and info.value.microbatch == 1
-        assert f"boom in {where}" in str(info.value.__cause__)
-        assert f"stage {fail_stage} failed in the {where} of micro-batch 1" in str(info.value)
-        # The pipeline stays usable, with the same threads.
-        healthy = fpipe.pipeline([block] * 3, params, schedule=make(chunks=chunks), loss_fn=mse)
-        threads = threading.active_count()
-        for _ in range(2):
-            with pytest.raises(StageError):
-                pipe.value_and_grad(x, target)
-            assert threading.active_count() == threads
-        healthy.value_and_grad(x, target)
-        healthy.close()
-    assert threading.active_count() == threads_before
 
 
 def test_keyboard_interrupt_in_the_caller_stops_every_worker():
