@@ -13,9 +13,9 @@ model learns it. Prints a progress bar, then the loss of the trained module's ow
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
+import progress
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,14 +111,6 @@ def synthetic_batch(batch: int, length: int, vocab: int) -> tuple[torch.Tensor, 
     return seq[:, :-1], seq[:, 1:]
 
 
-def progress(step: int, total: int, loss: float, started: float) -> None:
-    done = int(30 * step / total)
-    rate = step / max(time.perf_counter() - started, 1e-9)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total} "
-                     f"loss {loss:.4f} ({rate:.1f} steps/s)")
-    sys.stdout.flush()
-
-
 def main(argv: list[str] | None = None) -> tuple[float, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -150,7 +142,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
                     tensor.grad = part_grads[name]
             optimizer.step()
             first = loss.item() if first is None else first
-            progress(step, args.steps, loss.item(), started)
+            progress.show(step, args.steps, loss.item(), started)
 
     load_into(modules, s.params)  # the adapters hold the GPT's own layers: this updates `gpt`
     ids, targets = synthetic_batch(batch, length, vocab)

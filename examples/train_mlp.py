@@ -8,10 +8,10 @@ Prints the schedule's program, then a progress bar with the loss, which goes dow
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import optree
+import progress
 import torch
 
 import fpipe
@@ -31,14 +31,6 @@ def init(width: int, n_blocks: int, out: int) -> list:
     def layer(n_in, n_out):
         return {"w": torch.randn(n_in, n_out) / n_in ** 0.5, "b": torch.zeros(n_out)}
     return [layer(width, width) for _ in range(n_blocks)] + [layer(width, out)]
-
-
-def progress(step: int, total: int, loss: float, started: float) -> None:
-    done = int(30 * step / total)
-    rate = step / max(time.perf_counter() - started, 1e-9)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total} "
-                     f"loss {loss:.4f} ({rate:.1f} steps/s)")
-    sys.stdout.flush()
 
 
 def main() -> None:
@@ -78,7 +70,7 @@ def main() -> None:
             optimizer.step()
             first = loss.item() if first is None else first
             if step % 5 == 0 or step == args.steps:
-                progress(step, args.steps, loss.item(), started)
+                progress.show(step, args.steps, loss.item(), started)
         print(f"\nloss {first:.4f} -> {loss.item():.4f}")
 
 

@@ -10,10 +10,10 @@ between), and its gradient comes back the same way. The task: denoise random blo
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import optree
+import progress
 import torch
 import torch.nn.functional as F
 
@@ -91,11 +91,7 @@ def main() -> None:
                 leaf.grad = grad
             optimizer.step()
             first = loss.item() if first is None else first
-            done = int(30 * step / args.steps)
-            sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{args.steps} "
-                             f"loss {loss.item():.4f} "
-                             f"({step / (time.perf_counter() - started):.1f} steps/s)")
-            sys.stdout.flush()
+            progress.show(step, args.steps, loss.item(), started)
     print(f"\nskips carried: {[(s.stash, s.pop) for s in stages]}")
     print(f"denoising loss {first:.4f} -> {loss.item():.4f}")
 

@@ -360,7 +360,8 @@ def test_readme_from_module_snippet_runs():
     exec(compile(code, "README.md", "exec"), {})
 
 
-def test_gpt_example_learns_and_hands_the_model_back(capsys):
+def test_gpt_example_learns_and_hands_the_model_back(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # as when run as a script
     spec = importlib.util.spec_from_file_location("gpt_pipeline",
                                                   ROOT / "examples" / "gpt_pipeline.py")
     example = importlib.util.module_from_spec(spec)
