@@ -28,7 +28,8 @@ Stage = Callable[[Any, Any], Any]
 def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
-             state: Sequence[Any] | None = None) -> Pipeline:
+             state: Sequence[Any] | None = None,
+             grad_dtype: torch.dtype | None = None) -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -46,9 +47,11 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             and must not change ``state`` in place. Each stage's state flows through its
             forwards in micro-batch order (a recompute sees what its forward saw), and calls
             return the state after the last micro-batch.
+        grad_dtype: the dtype gradients are accumulated and returned in, e.g. ``torch.float32``
+            for ``bfloat16`` parameters (see :mod:`fpipe.amp`); by default the parameters'.
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
-                    state=state)
+                    state=state, grad_dtype=grad_dtype)
 
 
 class Pipeline:
@@ -70,7 +73,8 @@ class Pipeline:
     def __init__(self, stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
-                 state: Sequence[Any] | None = None) -> None:
+                 state: Sequence[Any] | None = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
@@ -92,6 +96,9 @@ class Pipeline:
                             f"Program, got {type(schedule).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if grad_dtype is not None and not (isinstance(grad_dtype, torch.dtype)
+                                           and grad_dtype.is_floating_point):
+            raise TypeError(f"grad_dtype must be a floating-point torch.dtype, got {grad_dtype!r}")
 
         self.stages = tuple(stages)
         self.schedule = schedule
@@ -112,7 +119,8 @@ class Pipeline:
         self.program = program
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
-                                   program.n_workers, loss_fn, stateful=self.stateful)
+                                   program.n_workers, loss_fn, stateful=self.stateful,
+                                   grad_dtype=grad_dtype)
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
 
