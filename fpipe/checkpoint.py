@@ -12,6 +12,8 @@ module's own name (``"3.weight"``). Files are safetensors where that package is 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 from collections.abc import Sequence
@@ -23,12 +25,12 @@ import torch
 
 __all__ = ["save", "load", "load_optimizer", "names"]
 
-try:
-    import safetensors.torch as _safetensors
-except ImportError:  # an optional dependency: the [hf] extra
-    _safetensors = None
-
 _SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
+
+
+def _has_safetensors() -> bool:
+    # An optional dependency (the [hf] extra), imported only when a file is written or read.
+    return importlib.util.find_spec("safetensors") is not None
 
 
 def names(tree: Any) -> list[str]:
@@ -56,16 +58,16 @@ def _named(trees: Sequence[Any], what: str) -> list[dict[str, torch.Tensor]]:
 def _write(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     if fmt == "safetensors":
-        _safetensors.save_file(tensors, str(path))
+        importlib.import_module("safetensors.torch").save_file(tensors, str(path))
     else:
         torch.save(tensors, path)
 
 
 def _read(path: Path, fmt: str) -> dict[str, torch.Tensor]:
     if fmt == "safetensors":
-        if _safetensors is None:
+        if not _has_safetensors():
             raise ImportError(f"{path} is a safetensors file: pip install safetensors")
-        return _safetensors.load_file(str(path))
+        return importlib.import_module("safetensors.torch").load_file(str(path))
     return torch.load(path, weights_only=True)
 
 
@@ -76,10 +78,10 @@ def save(directory: str | os.PathLike, params: Sequence[Any], state: Sequence[An
     ``optimizer`` must have been built on the leaves of ``params`` (any order, any groups).
     ``format`` is ``"safetensors"`` or ``"torch"``; by default safetensors when installed.
     """
-    fmt = format or ("safetensors" if _safetensors is not None else "torch")
+    fmt = format or ("safetensors" if _has_safetensors() else "torch")
     if fmt not in _SUFFIX:
         raise ValueError(f"format must be 'safetensors' or 'torch', got {fmt!r}")
-    if fmt == "safetensors" and _safetensors is None:
+    if fmt == "safetensors" and not _has_safetensors():
         raise ImportError("format='safetensors' needs the safetensors package")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
