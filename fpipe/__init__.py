@@ -8,6 +8,7 @@ program::
     loss, grads = pipe.value_and_grad(x, target)
 """
 
+from fpipe import amp, checkpoint, optim
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError, StageError
 from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
-    "NonFiniteLossError",
+    "NonFiniteLossError", "amp", "checkpoint", "optim",
 ]

@@ -16,6 +16,8 @@ import optree
 import torch
 from torch.func import vjp
 
+from fpipe.compiled import autograd_vjp, batch_dynamic, is_compiled
+
 __all__ = ["Value", "StageCall", "flatten", "differentiable"]
 
 
@@ -65,6 +67,9 @@ class StageCall:
         self.stateful = stateful
         self.pops = pops
         self.stashes = stashes
+        # A compiled stage is differentiated by torch.autograd (see fpipe.compiled).
+        self.compiled = is_compiled(fn)
+        self._vjp = autograd_vjp if self.compiled else vjp
 
     def forward(self, params: list, x: Value, state: Any = None, popped: tuple = (),
                 target: Any = None, weight: float = 1.0) -> tuple[Any, Any]:
@@ -116,7 +121,7 @@ class StageCall:
             return grads, ([outs[k].leaves[i] for k, i in kept]
                            + [state_leaves[i] for i in state_kept])
 
-        primals, vjp_fn, aux = vjp(
+        primals, vjp_fn, aux = self._vjp(
             flat, params,
             [value.leaves[i] for value, where in zip(inputs, index) for i in where],
             has_aux=True)
@@ -137,6 +142,8 @@ class StageCall:
     def _apply(self, params: Any, state: Any, x: Any, popped: tuple, target: Any,
                weight: float) -> tuple[Any, tuple, Any]:
         """Call the stage (and the loss): ``(y or loss, stashed values, new state)``."""
+        if self.compiled:
+            x, popped = batch_dynamic((x, popped))
         args = (params, state, x) if self.stateful else (params, x)
         if self.pops:
             args += (dict(zip(self.pops, popped)),)

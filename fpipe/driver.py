@@ -166,8 +166,10 @@ class Interpreter:
 
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
                  devices: Sequence[torch.device], loss_fn: Callable | None,
-                 transport: Transport, stateful: bool = False) -> None:
+                 transport: Transport, stateful: bool = False,
+                 grad_dtype: torch.dtype | None = None) -> None:
         n = len(stages)
+        self.grad_dtype = grad_dtype
         self.devices = list(devices)
         self.routes = skip_routes(stages)
 
@@ -284,8 +286,11 @@ class Interpreter:
             if not isinstance(exc, Exception):
                 raise
 
-    @staticmethod
-    def accumulate(step: Step, stage: int, grads: list) -> None:
+    def accumulate(self, step: Step, stage: int, grads: list) -> None:
+        # With a grad dtype (float32 for bfloat16 parameters), each micro-batch's gradient is
+        # cast before it is added, so the sum does not round at the parameters' precision.
+        if self.grad_dtype is not None:
+            grads = [grad.to(self.grad_dtype) for grad in grads]
         # A vjp may return views, broadcast (stride-0) tensors, or the very cotangent it was
         # given: the first sum is out of place, so later ones may add in place.
         total = step.grads[stage]
@@ -335,12 +340,13 @@ class LocalDriver:
 
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
                  devices: Sequence[torch.device], n_workers: int,
-                 loss_fn: Callable | None, stateful: bool = False) -> None:
+                 loss_fn: Callable | None, stateful: bool = False,
+                 grad_dtype: torch.dtype | None = None) -> None:
         self.devices = list(devices)
         self.stateful = stateful
         self.transport = Transport(self.devices)
         self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
-                                       self.transport, stateful)
+                                       self.transport, stateful, grad_dtype)
         self.pool = WorkerPool(n_workers)
         self._compiled: dict[tuple[Program, bool], tuple] = {}
 

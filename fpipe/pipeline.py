@@ -28,7 +28,8 @@ Stage = Callable[[Any, Any], Any]
 def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
-             state: Sequence[Any] | None = None, nonfinite: str = "raise") -> Pipeline:
+             state: Sequence[Any] | None = None, nonfinite: str = "raise",
+             grad_dtype: torch.dtype | None = None) -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -50,9 +51,11 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             :class:`fpipe.NonFiniteLossError` naming the micro-batches whose loss is not
             finite, which costs one host synchronisation per step on CUDA; ``"ignore"``
             returns the loss as it is, for callers that check it themselves (loss scaling).
+        grad_dtype: the dtype gradients are accumulated and returned in, e.g. ``torch.float32``
+            for ``bfloat16`` parameters (see :mod:`fpipe.amp`); by default the parameters'.
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
-                    state=state, nonfinite=nonfinite)
+                    state=state, nonfinite=nonfinite, grad_dtype=grad_dtype)
 
 
 class Pipeline:
@@ -74,7 +77,8 @@ class Pipeline:
     def __init__(self, stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
-                 state: Sequence[Any] | None = None, nonfinite: str = "raise") -> None:
+                 state: Sequence[Any] | None = None, nonfinite: str = "raise",
+                 grad_dtype: torch.dtype | None = None) -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
@@ -99,6 +103,9 @@ class Pipeline:
         if nonfinite not in ("raise", "ignore"):
             raise ValueError(f"nonfinite must be 'raise' or 'ignore', got {nonfinite!r}")
         self.nonfinite = nonfinite
+        if grad_dtype is not None and not (isinstance(grad_dtype, torch.dtype)
+                                           and grad_dtype.is_floating_point):
+            raise TypeError(f"grad_dtype must be a floating-point torch.dtype, got {grad_dtype!r}")
 
         self.stages = tuple(stages)
         self.schedule = schedule
@@ -119,7 +126,8 @@ class Pipeline:
         self.program = program
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
-                                   program.n_workers, loss_fn, stateful=self.stateful)
+                                   program.n_workers, loss_fn, stateful=self.stateful,
+                                   grad_dtype=grad_dtype)
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
 
