@@ -9,7 +9,7 @@ compiles its backward too. The gradients are the same; only the machinery differ
 
 Micro-batches of one step may differ in size (10 samples in 4 chunks: 3, 3, 2, 2), and a
 compiled graph specialises on shapes, so the uneven last micro-batch would cost a recompile.
-:func:`mark_batch_dynamic` marks dim 0 of a compiled stage's inputs dynamic before each call,
+:func:`batch_dynamic` marks dim 0 of a compiled stage's inputs dynamic before each call,
 so one graph serves every micro-batch size. Micro-batches of the first stage's input are
 views into the batch, and dynamo also specialises a view at offset 0 (the first micro-batch)
 apart from the others; such views are copied, so every call sees offset 0.
