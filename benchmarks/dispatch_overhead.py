@@ -2,7 +2,8 @@
 
     python benchmarks/dispatch_overhead.py [--quick] [--json PATH]
 
-16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches. The time of a plain
+16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches, one worker thread per stage
+(and, to isolate the threads' cost, all stages on one worker). The time of a plain
 (unpipelined) ``torch.func`` loop over the same micro-batches is subtracted, so what remains is
 what the pipeline adds, divided by the number of actions of the program.
 """
@@ -14,11 +15,18 @@ from common import parser, report, seconds_per_call
 from torch.func import grad_and_value
 
 import fpipe
-from fpipe.schedules import gpipe, one_f_one_b
+from fpipe.schedules import Program, gpipe, one_f_one_b
 
 
 def stage(p, x):
     return torch.tanh(x @ p["w"] + p["b"])
+
+
+def one_worker(n_stages: int, chunks: int) -> Program:
+    """GPipe's arithmetic with every stage on one worker: the driver without thread hand-offs."""
+    forwards = [f"{s}F{m}" for s in range(n_stages) for m in range(chunks)]
+    backwards = [f"{s}B{m}" for s in reversed(range(n_stages)) for m in range(chunks)]
+    return Program([forwards + backwards], n_stages, chunks)
 
 
 def main() -> None:
@@ -45,13 +53,15 @@ def main() -> None:
     rows = []
     for chunks in ([8, 32] if args.quick else [8, 16, 32, 64]):
         baseline = seconds_per_call(lambda chunks=chunks: plain(params, chunks), repeat)
-        for schedule in (gpipe(chunks=chunks, remat="never"), one_f_one_b(chunks=chunks)):
+        for name, schedule in (("GPipe", gpipe(chunks=chunks, remat="never")),
+                               ("1F1B", one_f_one_b(chunks=chunks)),
+                               ("GPipe, 1 worker", one_worker(n_stages, chunks))):
             with fpipe.pipeline([stage] * n_stages, params, schedule=schedule,
                                 loss_fn=loss_fn) as pipe:
                 t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
                 actions = sum(len(w) for w in pipe.program.workers)
-            rows.append({"schedule": type(schedule).__name__, "chunks": chunks,
-                         "actions": actions, "step_ms": t * 1e3, "plain_ms": baseline * 1e3,
+            rows.append({"schedule": name, "chunks": chunks, "actions": actions,
+                         "step_ms": t * 1e3, "plain_ms": baseline * 1e3,
                          "us_per_action": (t - baseline) / actions * 1e6})
     report("fpipe driver overhead per action (16 x Linear(64,64), batch 64)",
            ["schedule", "chunks", "actions", "step_ms", "plain_ms", "us_per_action"],
