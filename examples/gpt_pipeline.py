@@ -18,6 +18,7 @@ import time
 import progress
 import torch
 import torch.nn.functional as F
+from tokens import next_token_loss, synthetic_batch
 from torch import nn
 
 import fpipe
@@ -96,19 +97,6 @@ def cut(gpt: GPT) -> list[nn.Module]:
     half = len(gpt.blocks) // 2
     return [Embeddings(gpt), nn.Sequential(*gpt.blocks[:half]),
             nn.Sequential(*gpt.blocks[half:]), LMHead(gpt)]
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def synthetic_batch(batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token sequences that follow ``next = (5 * token + 3) % vocab`` from a random start."""
-    tokens = [torch.randint(0, vocab, (batch,))]
-    for _ in range(length):
-        tokens.append((5 * tokens[-1] + 3) % vocab)
-    seq = torch.stack(tokens, dim=1)
-    return seq[:, :-1], seq[:, 1:]
 
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:

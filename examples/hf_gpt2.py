@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
+from tokens import next_token_loss, synthetic_batch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -84,18 +84,6 @@ def cut(model: GPT2LMHeadModel, blocks_per_stage: int = 2) -> list[nn.Module]:
     h = list(model.transformer.h)
     runs = [Blocks(h[i:i + blocks_per_stage]) for i in range(0, len(h), blocks_per_stage)]
     return [Embeddings(model), *runs, Head(model)]
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def synthetic_batch(batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = [torch.randint(0, vocab, (batch,))]
-    for _ in range(length):
-        tokens.append((5 * tokens[-1] + 3) % vocab)
-    seq = torch.stack(tokens, dim=1)
-    return seq[:, :-1], seq[:, 1:]
 
 
 def main(argv: list[str] | None = None) -> tuple[float, float]:

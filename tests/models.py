@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import optree
 import torch
 import torch.nn.functional as F
@@ -67,3 +71,16 @@ def two_stages_per_worker(chunks: int) -> Program:
         actions += [f"{first}B{m}" for m in reversed(range(chunks))]
         workers.append(actions)
     return Program(workers, n_stages=4, n_microbatches=chunks)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str):
+    """Import ``examples/<name>.py`` as running it would (``examples/`` on ``sys.path``)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example

@@ -3,27 +3,21 @@ the same loss and gradients at every step (skipped when transformers is not inst
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from models import load_example as load  # noqa: E402
 
 import fpipe  # noqa: E402
 from fpipe.optim import bind_grads  # noqa: E402
 from fpipe.schedules import gpipe  # noqa: E402
 from fpipe.stages import from_modules  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_gpt2.py"
-
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("hf_gpt2", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
+    return load("hf_gpt2")
 
 
 def test_hf_gpt2_pipeline_trains_as_the_plain_model():

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from models import load_example
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
@@ -360,12 +360,8 @@ def test_readme_from_module_snippet_runs():
     exec(compile(code, "README.md", "exec"), {})
 
 
-def test_gpt_example_learns_and_hands_the_model_back(capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # as when run as a script
-    spec = importlib.util.spec_from_file_location("gpt_pipeline",
-                                                  ROOT / "examples" / "gpt_pipeline.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+def test_gpt_example_learns_and_hands_the_model_back(capsys):
+    example = load_example("gpt_pipeline")
     first, trained = example.main(["--steps", "8", "--schedule", "1f1b"])
     # The loss is that of the GPT's own forward after load_into, on fresh data.
     assert trained < 0.7 * first
