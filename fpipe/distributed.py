@@ -36,7 +36,7 @@ from fpipe import microbatch
 from fpipe.autodiff import Value, flatten
 from fpipe.driver import Interpreter, Step, compiled
 from fpipe.errors import BatchError, PeerError, PlacementError, StageError
-from fpipe.pipeline import check_params, stage_devices
+from fpipe.pipeline import check_params, check_state, stage_devices
 from fpipe.rng import StepSeed
 from fpipe.schedules.actions import Program
 from fpipe.schedules.validate import validate
@@ -83,7 +83,8 @@ def my_stages(schedule: Any, n_stages: int, rank: int | None = None) -> tuple[in
 
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
              loss_fn: Callable | None = None, device: torch.device | str | None = None,
-             timeout: float = 60.0) -> DistributedPipeline:
+             timeout: float = 60.0,
+             state: Mapping[int, Any] | None = None) -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
     ``schedule`` and ``loss_fn``.
 
@@ -94,9 +95,12 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
         loss_fn: ``loss_fn(y, target) -> scalar``, the mean loss over a micro-batch.
         device: this rank's device when its stages have no parameters (else theirs).
         timeout: the most seconds a rank waits for another; then every rank raises.
+        state: ``{stage: pytree}`` of this rank's stages' state, as ``state=`` of
+            :func:`fpipe.pipeline`: every stage is then ``stage(params, state, x) ->
+            (y, new_state)``, and calls also return this rank's new ``{stage: state}``.
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
-                               device=device, timeout=timeout)
+                               device=device, timeout=timeout, state=state)
 
 
 class DistributedPipeline:
@@ -111,7 +115,7 @@ class DistributedPipeline:
 
     def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, state: Mapping[int, Any] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
@@ -136,9 +140,16 @@ class DistributedPipeline:
         self.param_specs = {s: optree.tree_structure(p) for s, p in self.params.items()}
         self.loss_fn = loss_fn
         self.timeout = timeout
+        self.state = None
+        if state is not None:
+            if set(state) != set(self.stages_held):
+                raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} "
+                                     f"but got state for stages {sorted(state)}")
+            self.state = {s: state[s] for s in self.stages_held}
+            check_state(self.state, {s: self.device for s in self.stages_held})
         self.interpreter = Interpreter(
             stages, [self.param_specs.get(s) for s in range(len(stages))],
-            [self.device] * len(stages), loss_fn, Transport([]))
+            [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful)
         backend = backend_for(self.device)
         self.wire = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")
@@ -153,22 +164,50 @@ class DistributedPipeline:
     def chunks(self) -> int:
         return self.program.n_microbatches
 
-    def __call__(self, x: Any = None, *, params: Mapping[int, Any] | None = None) -> Any:
-        step, _ = self._step(self.inference_program, False, x, None, params)
-        if self.rank != self.program.placement[-1]:
-            return None
-        return microbatch.join(step.outputs)
+    @property
+    def stateful(self) -> bool:
+        """Whether the stages carry state (the pipeline was built with ``state=``)."""
+        return self.state is not None
+
+    def __call__(self, x: Any = None, *, params: Mapping[int, Any] | None = None,
+                 state: Mapping[int, Any] | None = None) -> Any:
+        """The output on the last stage's rank (``None`` elsewhere); with state, also this
+        rank's new ``{stage: state}``."""
+        step, _ = self._step(self.inference_program, False, x, None, params, state)
+        y = microbatch.join(step.outputs) if self.rank == self.program.placement[-1] else None
+        return (y, self._held_state(step)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
-                       params: Mapping[int, Any] | None = None) -> tuple[torch.Tensor, dict]:
+                       params: Mapping[int, Any] | None = None,
+                       state: Mapping[int, Any] | None = None) -> tuple:
         """The mean loss over the batch (on every rank) and ``{stage: grads}`` for this rank's
-        stages, each shaped like its parameters."""
+        stages, each shaped like its parameters; with state, also the new ``{stage: state}``."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        step, loss = self._step(self.program, True, x, target, params)
+        step, loss = self._step(self.program, True, x, target, params, state)
         grads = step.grads_out()
-        return loss, {s: optree.tree_unflatten(self.param_specs[s], grads[s])
-                           for s in self.stages_held}
+        grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
+                 for s in self.stages_held}
+        return (loss, grads, self._held_state(step)) if self.stateful else (loss, grads)
+
+    def _held_state(self, step: Step) -> dict:
+        return {s: step.state[s] for s in self.stages_held}
+
+    def _states(self, state: Mapping[int, Any] | None) -> list:
+        """Per stage of the whole pipeline, the state this rank passes (``None`` for others)."""
+        if not self.stateful:
+            if state is not None:
+                raise ValueError("this pipeline has no state: build it with state=... to pass "
+                                 "state to its stages")
+            return [None] * self.program.n_stages
+        if state is None:
+            state = self.state
+        elif set(state) != set(self.stages_held):
+            raise ValueError(f"rank {self.rank} holds stages {list(self.stages_held)} but got "
+                             f"state for stages {sorted(state)}")
+        else:
+            check_state(state, {s: self.device for s in self.stages_held})
+        return [state.get(s) for s in range(self.program.n_stages)]
 
     def __repr__(self) -> str:
         return (f"DistributedPipeline(rank {self.rank} of {self.program.n_workers}, stages "
@@ -177,11 +216,13 @@ class DistributedPipeline:
     # -- one step ------------------------------------------------------------------------------
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
-              params: Mapping[int, Any] | None) -> tuple[Step, torch.Tensor | None]:
+              params: Mapping[int, Any] | None,
+              state: Mapping[int, Any] | None) -> tuple[Step, torch.Tensor | None]:
         if self.broken is not None:
             raise RuntimeError("this distributed pipeline stopped after a failure and cannot "
                                "run again; restart the job") from self.broken
         leaves = self._param_leaves(params)
+        states = self._states(state)
         owners = program.placement
         seed = StepSeed([self.device])
         try:
@@ -189,13 +230,13 @@ class DistributedPipeline:
             if n < self.chunks:  # every rank knows n, so every rank raises this by itself
                 raise BatchError(f"the input batch has {n} samples, fewer than chunks="
                                  f"{self.chunks}: every micro-batch needs at least one sample")
-            return self._guarded(lambda: self._run(program, training, leaves, x, target, n,
-                                                   seed_value))
+            return self._guarded(lambda: self._run(program, training, leaves, states, x, target,
+                                                   n, seed_value))
         finally:
             seed.restore()
 
-    def _run(self, program: Program, training: bool, params: list, x: Any, target: Any,
-             n: int, seed: int) -> tuple[Step, torch.Tensor | None]:
+    def _run(self, program: Program, training: bool, params: list, states: list, x: Any,
+             target: Any, n: int, seed: int) -> tuple[Step, torch.Tensor | None]:
         owners, last = program.placement, len(params) - 1
         sizes = microbatch.sizes(n, self.chunks)
         inputs = targets = None
@@ -206,11 +247,11 @@ class DistributedPipeline:
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(_to(target, self.device), self.chunks, "target")
-        step = Step(params, [None] * len(params), inputs, targets,
-                    [size / n for size in sizes], sizes, seed, training, lambda: None)
+        step = Step(params, states, inputs, targets, [size / n for size in sizes], sizes, seed,
+                    training, lambda: None)
         channel = _RankChannel(self, owners)
-        self.interpreter.run(step, compiled(self._compiled, program, training)[self.rank],
-                             channel)
+        plan = compiled(self._compiled, program, training, self.stateful)
+        self.interpreter.run(step, plan[self.rank], channel)
         if self.broken is not None:  # another rank failed while this one waited
             raise self.broken
         if step.error is not None:

@@ -226,4 +226,39 @@ def rank_dies(rank: int, world: int) -> dict:
     return _failure(rank, world, _dying_stage)
 
 
-SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies}
+def counting(p, state, x):
+    """A stateful stage: counts the samples it saw and sums its inputs."""
+    return block(p, x), {"seen": state["seen"] + x.shape[0], "total": state["total"] + x.sum(0)}
+
+
+def fresh_state(n_stages: int) -> list:
+    return [{"seen": 0, "total": torch.zeros(8, dtype=torch.float64)} for _ in range(n_stages)]
+
+
+def stateful_case():
+    """(stages, schedule, steps) of the stateful scenario, the same on every rank."""
+    from fpipe.schedules import one_f_one_b
+    return [counting] * 2, one_f_one_b(chunks=3, remat="always"), [data(7, 8, seed=9),
+                                                                   data(5, 8, seed=10)]
+
+
+def stateful(rank: int, world: int) -> dict:
+    """Two training steps and an inference call, the state threaded through by the caller."""
+    stages, schedule, steps = stateful_case()
+    held = fdist.my_stages(schedule, len(stages))
+    full, state = mlp_params(len(stages)), fresh_state(len(stages))
+    state = {s: state[s] for s in held}
+    pipe = fdist.pipeline(stages, {s: full[s] for s in held}, schedule=schedule, loss_fn=mse,
+                          state=state, timeout=20)
+    results = []
+    for x, target in steps:
+        loss, grads, state = pipe.value_and_grad(x if rank == 0 else None,
+                                                 target if rank == world - 1 else None,
+                                                 state=state)
+        results.append((loss, grads, state))
+    y, state = pipe(steps[0][0] if rank == 0 else None, state=state)
+    return {"steps": results, "y": y, "state": state}
+
+
+SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies,
+             "stateful": stateful}

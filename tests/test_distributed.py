@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_ranks import cases, full_params, spawn
+from distributed_ranks import cases, fresh_state, full_params, spawn, stateful_case
 from models import mse, whole_batch
 
 import fpipe
@@ -70,3 +70,30 @@ def test_my_stages_follows_the_program_placement():
     assert fdist.my_stages(gpipe(chunks=2), 4, rank=1) == (1,)
     assert fdist.my_stages(one_f_one_b(chunks=2), 2, rank=0) == (0,)
     assert fdist.backend_for("cpu") == "gloo" and fdist.backend_for("cuda:0") == "nccl"
+
+
+def test_state_flows_as_in_the_local_driver():
+    results, codes = spawn("stateful", 2)
+    assert codes == [0, 0]
+    assert all("crash" not in r for r in results), results
+    stages, schedule, steps = stateful_case()
+    params = full_params("stateful", 2)
+    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse,
+                        state=fresh_state(2)) as local:
+        state = local.state
+        for i, (x, target) in enumerate(steps):
+            loss, grads, state = local.value_and_grad(x, target, state=state)
+            for rank, result in enumerate(results):
+                rank_loss, rank_grads, rank_state = result["steps"][i]
+                torch.testing.assert_close(rank_loss, loss, **TIGHT)
+                assert sorted(rank_state) == [rank]
+                assert rank_state[rank]["seen"] == state[rank]["seen"]
+                torch.testing.assert_close(rank_state[rank]["total"], state[rank]["total"],
+                                           **TIGHT)
+                for key in ("w", "b"):
+                    torch.testing.assert_close(rank_grads[rank][key], grads[rank][key], **TIGHT)
+        y, state = local(steps[0][0], state=state)
+    torch.testing.assert_close(results[1]["y"], y, **TIGHT)
+    assert results[0]["y"] is None
+    for rank, result in enumerate(results):
+        assert result["state"][rank]["seen"] == state[rank]["seen"] == 7 + 5 + 7
