@@ -3,7 +3,9 @@
     python benchmarks/dispatch_overhead.py [--quick] [--json PATH]
 
 16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches, one worker thread per stage
-(and, to isolate the threads' cost, all stages on one worker). The time of a plain
+(and, to isolate the threads' cost, all stages on one worker), and the same layers as an
+``nn.Sequential`` under ``fpipe.GPipe`` and, when it is installed, torchgpipe (both with
+checkpoint="never", so every action is one forward or one backward). The time of a plain
 (unpipelined) ``torch.func`` loop over the same micro-batches is subtracted, so what remains is
 what the pipeline adds, divided by the number of actions of the program.
 """
@@ -27,6 +29,31 @@ def one_worker(n_stages: int, chunks: int) -> Program:
     forwards = [f"{s}F{m}" for s in range(n_stages) for m in range(chunks)]
     backwards = [f"{s}B{m}" for s in reversed(range(n_stages)) for m in range(chunks)]
     return Program([forwards + backwards], n_stages, chunks)
+
+
+def layers(params: list) -> torch.nn.Sequential:
+    """The benchmark's stages as an nn.Sequential of Linear + Tanh, with the same weights."""
+    blocks = []
+    for p in params:
+        linear = torch.nn.Linear(*p["w"].shape)
+        with torch.no_grad():
+            linear.weight.copy_(p["w"].T)
+            linear.bias.copy_(p["b"])
+        blocks.append(torch.nn.Sequential(linear, torch.nn.Tanh()))
+    return torch.nn.Sequential(*blocks)
+
+
+def module_faces() -> list:
+    faces = [("fpipe.GPipe (never)", lambda module, chunks: fpipe.GPipe(
+        module, [1] * len(module), chunks=chunks, checkpoint="never"))]
+    try:
+        import torchgpipe
+    except ImportError:
+        return faces
+    faces.append(("torchgpipe (never)", lambda module, chunks: torchgpipe.GPipe(
+        module, [1] * len(module), devices=["cpu"] * len(module), chunks=chunks,
+        checkpoint="never")))
+    return faces
 
 
 def main() -> None:
@@ -60,6 +87,16 @@ def main() -> None:
                                 loss_fn=loss_fn) as pipe:
                 t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
                 actions = sum(len(w) for w in pipe.program.workers)
+            rows.append({"schedule": name, "chunks": chunks, "actions": actions,
+                         "step_ms": t * 1e3, "plain_ms": baseline * 1e3,
+                         "us_per_action": (t - baseline) / actions * 1e6})
+        # The torchgpipe-style module faces, fpipe's and (when installed) torchgpipe's own,
+        # on the same layers: one (stage, micro-batch) forward and backward each.
+        for name, wrap in module_faces():
+            model = wrap(layers(params), chunks)
+            t = seconds_per_call(lambda model=model: loss_fn(model(x), target).backward(),
+                                 repeat)
+            actions = 2 * n_stages * chunks
             rows.append({"schedule": name, "chunks": chunks, "actions": actions,
                          "step_ms": t * 1e3, "plain_ms": baseline * 1e3,
                          "us_per_action": (t - baseline) / actions * 1e6})
