@@ -69,7 +69,8 @@ class LossScaler:
     """Dynamic loss scaling across a pipeline's stages::
 
         scaler = LossScaler()
-        pipe = fpipe.pipeline(stages, params, schedule=..., loss_fn=scaler.scaled(loss_fn))
+        pipe = fpipe.pipeline(stages, params, schedule=..., loss_fn=scaler.scaled(loss_fn),
+                              nonfinite="ignore")       # overflows are the scaler's to handle
         loss, grads = pipe.value_and_grad(x, target)    # loss and grads are scaled
         grads, finite = scaler.unscale(grads)
         if finite:
