@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fpipe.pipeline import Pipeline
+from fpipe.schedules.colocate import colocate
 from fpipe.schedules.gpipe import gpipe
 from fpipe.stages.batchnorm import DeferredBatchNorm
 from fpipe.stages.sequential import StatefulModuleStage, check_balance
@@ -41,8 +42,9 @@ class GPipe(nn.Module):
         deferred_batch_norm: replace BatchNorm layers by :class:`DeferredBatchNorm`, so their
             running statistics are updated once per mini-batch, from all of its samples.
 
-    In eval mode, or under ``torch.no_grad()``, the forward runs without keeping anything for
-    a backward, and without recomputes. The partitions stay on their devices: moving the whole
+    Partitions on one device share one worker thread, as in torchgpipe. In eval mode, or under
+    ``torch.no_grad()``, the forward runs without keeping anything for a backward, and without
+    recomputes. The partitions stay on their devices: moving the whole
     module with ``.to(device)``, ``.cuda()`` or ``.cpu()`` is refused.
     """
 
@@ -69,9 +71,14 @@ class GPipe(nn.Module):
         self.partitions = nn.ModuleList(
             nn.Module.to(module[a:b], device)
             for a, b, device in zip(bounds, bounds[1:], self.devices))
+        # One worker per device, as torchgpipe has one thread per device: partitions sharing a
+        # device gain nothing from separate threads but pay for every hand-off between them.
+        worker_of: dict[torch.device, int] = {}
+        workers = [worker_of.setdefault(d, len(worker_of)) for d in self.devices]
+        program = colocate(gpipe(chunks, remat=checkpoint).program(len(self.balance)), workers)
         self._pipe = Pipeline([StatefulModuleStage(p) for p in self.partitions], self._params(),
                               state=self._buffers_by_stage(), devices=self.devices,
-                              schedule=gpipe(chunks, remat=checkpoint))
+                              schedule=program)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

@@ -16,6 +16,7 @@ from fpipe.schedules import (
     Op,
     Program,
     apply_remat,
+    colocate,
     gpipe,
     in_flight,
     normalize_remat,
@@ -165,3 +166,34 @@ def test_schedules_package_knows_nothing_of_tensors():
             else:
                 continue
             assert not any(n.split(".")[0] == "torch" for n in names), source.name
+
+
+@given(n_stages=st.integers(1, 8), chunks=st.integers(1, 8), data=st.data(),
+       make=st.sampled_from([gpipe, one_f_one_b]),
+       remat=st.sampled_from(["always", "except_last", "never"]))
+def test_colocated_programs_stay_valid(n_stages, chunks, data, make, remat):
+    program = make(chunks, remat).program(n_stages)
+    drawn = data.draw(st.lists(st.integers(0, n_stages - 1), min_size=n_stages,
+                               max_size=n_stages))
+    labels: dict[int, int] = {}
+    workers = [labels.setdefault(w, len(labels)) for w in drawn]  # numbered 0.. in order
+    n_workers = len(labels)
+    merged = colocate(program, workers)
+    validate(merged)
+    assert merged.n_workers == n_workers
+    assert merged.placement == tuple(workers)
+    for stage in range(n_stages):  # each stage keeps the order of its own actions
+        mine = [a for w in merged.workers for a in w if a.stage == stage]
+        assert mine == [a for a in program.workers[stage] if a.stage == stage]
+    if make is gpipe:  # still every forward first: what Pipeline.vjp needs
+        for actions in merged.workers:
+            ops = [a.op for a in actions]
+            assert Op.FORWARD not in ops[ops.index(Op.FORWARD) + ops.count(Op.FORWARD):]
+
+
+def test_colocate_refuses_bad_worker_lists():
+    program = gpipe(2).program(3)
+    with pytest.raises(ValueError, match="for 2 stages but the program has 3"):
+        colocate(program, [0, 0])
+    with pytest.raises(ValueError, match="none left out"):
+        colocate(program, [0, 2, 2])
