@@ -184,6 +184,13 @@ def _dying_stage(p, x):
     return {"h": block(p, x["h"]), "idx": x["idx"]}
 
 
+def _silent_stage(p, x):
+    """Alive but silent: stalls far past the pipeline's 5 s timeout, then goes on."""
+    if (x["idx"] == 5).any():
+        time.sleep(12)
+    return {"h": block(p, x["h"]), "idx": x["idx"]}
+
+
 def _plain_stage(p, x):
     return {"h": block(p, x["h"]), "idx": x["idx"]}
 
@@ -260,5 +267,9 @@ def stateful(rank: int, world: int) -> dict:
     return {"steps": results, "y": y, "state": state}
 
 
+def rank_stalls(rank: int, world: int) -> dict:
+    return _failure(rank, world, _silent_stage)
+
+
 SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies,
-             "stateful": stateful}
+             "rank_stalls": rank_stalls, "stateful": stateful}

@@ -66,6 +66,18 @@ def test_a_dying_rank_does_not_leave_the_others_hanging():
         assert result["elapsed"] < 4
 
 
+def test_a_silent_rank_is_timed_out():
+    """Rank 2 stalls (alive, sending nothing) for longer than the 5 s timeout: the others give
+    up after the timeout, not after the stall, and rank 2 then finds the pipeline stopped."""
+    results, codes = spawn("rank_stalls", 3, timeout=40)
+    assert codes == [0, 0, 0]
+    for result in results[:2]:
+        assert result["type"] == "PeerError", result
+        assert "waited 5 s" in result["message"] or "rank 2" in result["message"], result
+        assert result["elapsed"] < 11  # the timeout, not the 12 s stall
+    assert results[2]["type"] is not None  # the stalled rank does not carry on as if all is well
+
+
 def test_my_stages_follows_the_program_placement():
     assert fdist.my_stages(gpipe(chunks=2), 4, rank=1) == (1,)
     assert fdist.my_stages(one_f_one_b(chunks=2), 2, rank=0) == (0,)
