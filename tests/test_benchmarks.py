@@ -12,7 +12,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["dispatch_overhead.py", "cpu_scaling.py"])
+@pytest.mark.parametrize("script", ["dispatch_overhead.py", "cpu_scaling.py",
+                                    "simulated_vs_measured.py"])
 def test_quick_mode_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],

@@ -1,0 +1,92 @@
+"""The simulator's prediction beside the measured step time, per schedule (DESIGN contract 7).
+
+    python benchmarks/simulated_vs_measured.py [--quick] [--json PATH]
+
+Each stage's forward (with its vjp built, as a kept forward is), backward, and forward without
+a graph (a forward that will be recomputed) are timed alone on one thread, per micro-batch.
+``fpipe.schedules.simulate`` turns those costs into a predicted step time for each program,
+which is then run for real with one worker thread per stage (one intra-op thread each).
+A ratio near 1 means the cost model explains the step; above 1, the driver (hand-offs,
+Python) or the machine (cores shared) costs what the model leaves out.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from common import parser, report, seconds_per_call
+from torch.func import vjp
+
+import fpipe
+from fpipe.schedules import Costs, colocate, gpipe, one_f_one_b, simulate
+
+
+def block(p, x):
+    return x + torch.tanh(x @ p["w"]) @ p["v"]
+
+
+def stage(ps, h):
+    for q in ps:
+        h = block(q, h)
+    return h
+
+
+def stage_costs(stage_params: list, x: torch.Tensor, repeat: int) -> Costs:
+    """Per stage: kept forward (vjp built), backward, and forward without a graph."""
+    forward, backward, plain = [], [], []
+    for ps in stage_params:
+        out, vjp_fn = vjp(stage, ps, x)
+        ones = torch.ones_like(out)
+        forward.append(seconds_per_call(lambda ps=ps, x=x: vjp(stage, ps, x), repeat))
+        backward.append(seconds_per_call(lambda f=vjp_fn, g=ones: f(g), repeat))
+        with torch.no_grad():
+            plain.append(seconds_per_call(lambda ps=ps, x=x: stage(ps, x), repeat))
+        x = out.detach()
+    # A dropped forward costs ``plain``; its recompute rebuilds the vjp (``forward``).
+    return Costs(forward=tuple(forward), backward=tuple(backward), recompute=tuple(forward)), \
+        tuple(plain)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    width, batch, layers, chunks = (256, 256, 8, 8) if args.quick else (512, 512, 16, 8)
+    repeat = 3 if args.quick else 7
+    k = args.workers
+    params = [{"w": torch.randn(width, width) / width ** 0.5,
+               "v": torch.randn(width, width) / width ** 0.5} for _ in range(layers)]
+    per = layers // k
+    stage_params = [params[i * per:(i + 1) * per] for i in range(k)]
+    x, target = torch.randn(batch, width), torch.randn(batch, width)
+    costs, plain = stage_costs(stage_params, x[: batch // chunks], repeat)
+
+    def loss_fn(y, t):
+        return torch.nn.functional.mse_loss(y, t)
+
+    # A forward that will be recomputed runs without a graph: the cheaper ``plain`` cost.
+    rows = []
+    for name, program, forward in (
+        (f"GPipe(never), {k} workers", gpipe(chunks, remat="never").program(k), costs.forward),
+        (f"GPipe(always), {k} workers", gpipe(chunks, remat="always").program(k), plain),
+        (f"1F1B, {k} workers", one_f_one_b(chunks).program(k), costs.forward),
+        ("GPipe(never), 1 worker", colocate(gpipe(chunks, remat="never").program(k), [0] * k),
+         costs.forward),
+    ):
+        predicted = simulate(program, Costs(forward=forward, backward=costs.backward,
+                                            recompute=costs.forward)).makespan
+        with fpipe.pipeline([stage] * k, stage_params, schedule=program,
+                            loss_fn=loss_fn) as pipe:
+            measured = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
+        rows.append({"program": name, "predicted_ms": predicted * 1e3,
+                     "measured_ms": measured * 1e3, "measured/predicted": measured / predicted})
+    report(f"Simulated vs measured step time ({layers} blocks of width {width} in {k} stages, "
+           f"batch {batch}, {chunks} micro-batches, 1 intra-op thread)",
+           ["program", "predicted_ms", "measured_ms", "measured/predicted"], rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
