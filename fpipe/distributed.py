@@ -124,8 +124,11 @@ class DistributedPipeline:
         if not isinstance(program, Program) or program.n_stages != len(stages):
             raise TypeError(f"schedule.program({len(stages)}) must return a Program for "
                             f"{len(stages)} stages, got {program!r}")
-        self.program = validate(program)
-        self.inference_program = validate(program.forward_only(), training=False)
+        # Validated and compiled once, before anything reads the placement.
+        self._compiled: dict = {}
+        self.program, self.inference_program = program, program.forward_only()
+        compiled(self._compiled, self.program, True, state is not None)
+        compiled(self._compiled, self.inference_program, False, state is not None)
         self.rank, world = dist.get_rank(), dist.get_world_size()
         if program.n_workers != world:
             raise PlacementError(f"the program has {program.n_workers} workers but the process "
@@ -158,7 +161,6 @@ class DistributedPipeline:
         self.store = dist.distributed_c10d._get_default_store()
         self.failure_key = f"fpipe/pipeline{next(_created)}/failure"
         self.broken: BaseException | None = None
-        self._compiled: dict = {}
 
     @property
     def chunks(self) -> int:

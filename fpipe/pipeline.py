@@ -144,13 +144,9 @@ class Pipeline:
                  state: Sequence[Any] | None = None) -> Any:
         """The last stage's output for the whole batch, forward only (and the new state, for
         a stateful pipeline)."""
-        leaves = self._param_leaves(params)
-        states = self._state(state)
-        n = microbatch.batch_size(x, "input")
-        inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
-        outputs, new_state = self._driver.infer(self.inference_program, leaves, states,
-                                                [flatten(mb) for mb in inputs],
-                                                microbatch.sizes(n, self.chunks))
+        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
+        outputs, new_state = self._driver.infer(self.inference_program, leaves, states, inputs,
+                                                sizes)
         y = microbatch.join(outputs)
         return (y, new_state) if self.stateful else y
 
@@ -162,10 +158,7 @@ class Pipeline:
         stateful pipeline)."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        leaves = self._param_leaves(params)
-        states = self._state(state)
-        n = microbatch.batch_size(x, "input")
-        inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
+        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
         if target is None:
             targets = [None] * self.chunks
         else:
@@ -173,9 +166,7 @@ class Pipeline:
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(self._to(target, self.devices[-1]), self.chunks, "target")
-        sizes = microbatch.sizes(n, self.chunks)
-        result = self._driver.train(self.program, leaves, states,
-                                    [flatten(mb) for mb in inputs], targets,
+        result = self._driver.train(self.program, leaves, states, inputs, targets,
                                     [size / n for size in sizes], sizes)
         losses = torch.stack(result.losses)
         if self.nonfinite == "raise":
@@ -186,8 +177,7 @@ class Pipeline:
                     f"{[losses[m].item() for m in bad]}); no gradient was returned. Build the "
                     f"pipeline with nonfinite='ignore' to handle this yourself", bad)
         loss = losses.sum()
-        grads = [optree.tree_unflatten(spec, g)
-                 for spec, g in zip(self.param_specs, result.grads)]
+        grads = self._grad_trees(result.grads)
         return (loss, grads, result.state) if self.stateful else (loss, grads)
 
     def vjp(self, x: Any, *, params: Sequence[Any] | None = None,
@@ -201,12 +191,7 @@ class Pipeline:
         at leaves that carry no gradient. A stateful pipeline returns
         ``(y, vjp_fn, new_state)``.
         """
-        leaves = self._param_leaves(params)
-        states = self._state(state)
-        n = microbatch.batch_size(x, "input")
-        inputs = [flatten(mb) for mb in
-                  microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")]
-        sizes = microbatch.sizes(n, self.chunks)
+        leaves, states, _, inputs, sizes = self._step_inputs(x, params, state)
         step = self._driver.begin(self.program, leaves, states, inputs, sizes)
         outputs = step.outputs
         y = microbatch.join([out.tree() for out in outputs])
@@ -226,9 +211,7 @@ class Pipeline:
                     raise ValueError(f"the cotangent has {len(leaves_of)} leaves but the "
                                      f"output has {len(out.leaves)}")
                 cotangents.append([leaves_of[i] for i in out.grad_index])
-            result = self._driver.finish(self.program, step, cotangents)
-            grads = [optree.tree_unflatten(spec, g)
-                     for spec, g in zip(self.param_specs, result.grads)]
+            grads = self._grad_trees(self._driver.finish(self.program, step, cotangents).grads)
             input_grads = []
             for value, found in zip(inputs, step.input_grads):
                 full = [None] * len(value.leaves)
@@ -238,6 +221,19 @@ class Pipeline:
             return grads, microbatch.join(input_grads)
 
         return (y, vjp_fn, step.state) if self.stateful else (y, vjp_fn)
+
+    def _step_inputs(self, x: Any, params: Sequence[Any] | None,
+                     state: Sequence[Any] | None) -> tuple:
+        """What every call starts from: parameter leaves, states, the batch size, the input's
+        micro-batches (flattened, on the first stage's device) and their sizes."""
+        leaves, states = self._param_leaves(params), self._state(state)
+        n = microbatch.batch_size(x, "input")
+        inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
+        return (leaves, states, n, [flatten(mb) for mb in inputs],
+                microbatch.sizes(n, self.chunks))
+
+    def _grad_trees(self, grads: list) -> list:
+        return [optree.tree_unflatten(spec, g) for spec, g in zip(self.param_specs, grads)]
 
     def close(self) -> None:
         """Stop the worker threads (a later step starts them again)."""
