@@ -14,11 +14,12 @@ from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
 from fpipe.recompute import is_recomputing
 from fpipe.schedules import Action, Op, Program, ScheduleError, gpipe, one_f_one_b, validate
+from fpipe.timeline import Recorder
 
 __version__ = "0.1.0"
 
 __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
-    "NonFiniteLossError", "amp", "checkpoint", "optim",
+    "NonFiniteLossError", "amp", "checkpoint", "optim", "Recorder",
 ]

@@ -17,6 +17,7 @@ import torch
 from torch.func import vjp
 
 from fpipe.compiled import autograd_vjp, batch_dynamic, is_compiled
+from fpipe.split_backward import split_vjp
 
 __all__ = ["Value", "StageCall", "flatten", "differentiable"]
 
@@ -84,10 +85,12 @@ class StageCall:
         return [flatten(y), *(flatten(value) for value in stashed)], new_state
 
     def forward_vjp(self, params: list, x: Value, state: Any = None, popped: tuple = (),
-                    target: Any = None, weight: float = 1.0) -> tuple[Any, Any, Callable]:
+                    target: Any = None, weight: float = 1.0, split: bool = False
+                    ) -> tuple[Any, Any, Any]:
         """The outputs (or scaled loss), the new state, and the function mapping the outputs'
         cotangents to ``(param_grads, input_grads)``, lists of leaves in output and input
-        order."""
+        order; with ``split``, a :class:`~fpipe.split_backward.SplitVJP` giving the two
+        halves."""
         inputs = (x, *popped)
         index = [value.grad_index if self.grad_input else () for value in inputs]
         side: list = []  # what leaves the transform beside the differentiated outputs
@@ -121,7 +124,7 @@ class StageCall:
             return grads, ([outs[k].leaves[i] for k, i in kept]
                            + [state_leaves[i] for i in state_kept])
 
-        primals, vjp_fn, aux = self._vjp(
+        primals, vjp_fn, aux = (split_vjp if split else self._vjp)(
             flat, params,
             [value.leaves[i] for value, where in zip(inputs, index) for i in where],
             has_aux=True)

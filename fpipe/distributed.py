@@ -41,6 +41,7 @@ from fpipe.rng import StepSeed
 from fpipe.schedules.actions import Program
 from fpipe.schedules.validate import validate
 from fpipe.stream import Transport
+from fpipe.timeline import Recorder
 from fpipe.workers import Aborted
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
@@ -172,21 +173,23 @@ class DistributedPipeline:
         return self.state is not None
 
     def __call__(self, x: Any = None, *, params: Mapping[int, Any] | None = None,
-                 state: Mapping[int, Any] | None = None) -> Any:
+                 state: Mapping[int, Any] | None = None, record: Recorder | None = None) -> Any:
         """The output on the last stage's rank (``None`` elsewhere); with state, also this
-        rank's new ``{stage: state}``."""
-        step, _ = self._step(self.inference_program, False, x, None, params, state)
+        rank's new ``{stage: state}``. ``record`` receives this rank's timeline."""
+        step, _ = self._step(self.inference_program, False, x, None, params, state, record)
         y = microbatch.join(step.outputs) if self.rank == self.program.placement[-1] else None
         return (y, self._held_state(step)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
                        params: Mapping[int, Any] | None = None,
-                       state: Mapping[int, Any] | None = None) -> tuple:
+                       state: Mapping[int, Any] | None = None,
+                       record: Recorder | None = None) -> tuple:
         """The mean loss over the batch (on every rank) and ``{stage: grads}`` for this rank's
-        stages, each shaped like its parameters; with state, also the new ``{stage: state}``."""
+        stages, each shaped like its parameters; with state, also the new ``{stage: state}``.
+        ``record`` receives this rank's timeline."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        step, loss = self._step(self.program, True, x, target, params, state)
+        step, loss = self._step(self.program, True, x, target, params, state, record)
         grads = step.grads_out()
         grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
                  for s in self.stages_held}
@@ -218,8 +221,8 @@ class DistributedPipeline:
     # -- one step ------------------------------------------------------------------------------
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
-              params: Mapping[int, Any] | None,
-              state: Mapping[int, Any] | None) -> tuple[Step, torch.Tensor | None]:
+              params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
+              record: Recorder | None) -> tuple[Step, torch.Tensor | None]:
         if self.broken is not None:
             raise RuntimeError("this distributed pipeline stopped after a failure and cannot "
                                "run again; restart the job") from self.broken
@@ -233,12 +236,13 @@ class DistributedPipeline:
                 raise BatchError(f"the input batch has {n} samples, fewer than chunks="
                                  f"{self.chunks}: every micro-batch needs at least one sample")
             return self._guarded(lambda: self._run(program, training, leaves, states, x, target,
-                                                   n, seed_value))
+                                                   n, seed_value, record))
         finally:
             seed.restore()
 
     def _run(self, program: Program, training: bool, params: list, states: list, x: Any,
-             target: Any, n: int, seed: int) -> tuple[Step, torch.Tensor | None]:
+             target: Any, n: int, seed: int,
+             record: Recorder | None) -> tuple[Step, torch.Tensor | None]:
         owners, last = program.placement, len(params) - 1
         sizes = microbatch.sizes(n, self.chunks)
         inputs = targets = None
@@ -249,8 +253,10 @@ class DistributedPipeline:
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(_to(target, self.device), self.chunks, "target")
+        clock = None if record is None else record.clock(
+            owners, program.n_workers, [self.device] * program.n_stages)
         step = Step(params, states, inputs, targets, [size / n for size in sizes], sizes, seed,
-                    training, lambda: None)
+                    training, lambda: None, clock=clock)
         channel = _RankChannel(self, owners)
         plan = compiled(self._compiled, program, training, self.stateful)
         self.interpreter.run(step, plan[self.rank], channel)
@@ -260,6 +266,8 @@ class DistributedPipeline:
             step.error.rank = self.rank
             raise step.error
         channel.flush()
+        if clock is not None:
+            clock.finish()
         return step, self._finish(step, owners[last], training)
 
     def _batch_header(self, x: Any, first: int, seed: int) -> tuple[int, int]:

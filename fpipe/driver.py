@@ -27,17 +27,21 @@ from fpipe.recompute import recomputing
 from fpipe.rng import RandomStages, StepSeed
 from fpipe.schedules.actions import Op, Program
 from fpipe.schedules.validate import validate
+from fpipe.split_backward import SplitVJP
 from fpipe.stages.skip import pops, skip_routes, stashes
 from fpipe.stream import Transport
+from fpipe.timeline import Recorder, StepClock
 from fpipe.workers import Aborted, Inbox, WorkerPool
 
 __all__ = ["LocalDriver", "TrainResult", "Interpreter", "Step", "Channel", "compiled"]
 
 # Action codes of a compiled program. A forward is "kept" when its vjp is built at once, and
-# "dropped" when only its input is kept for a later recompute (or, in inference, nothing).
-_KEPT, _DROPPED, _RECOMPUTE, _BACKWARD, _BACKWARD_INPUT, _BACKWARD_WEIGHT = range(6)
-_OP_NAMES = ("forward", "forward", "recompute", "backward", "input-gradient backward",
-             "weight-gradient backward")
+# "dropped" when only its input is kept for a later recompute (or, in inference, nothing); a
+# "split" forward or recompute builds a vjp whose backward runs as I then W.
+(_KEPT, _KEPT_SPLIT, _DROPPED, _RECOMPUTE, _RECOMPUTE_SPLIT, _BACKWARD, _BACKWARD_INPUT,
+ _BACKWARD_WEIGHT) = range(8)
+_OP_NAMES = ("forward", "forward", "forward", "recompute", "recompute", "backward",
+             "input-gradient backward", "weight-gradient backward")
 
 
 def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
@@ -54,15 +58,21 @@ def compiled(cache: dict, program: Program, training: bool, stateful: bool = Fal
 
 
 def _compile(program: Program, training: bool) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    recomputed = {(a.stage, a.microbatch) for w in program.workers for a in w
-                  if a.op is Op.RECOMPUTE}
-    codes = {Op.RECOMPUTE: _RECOMPUTE, Op.BACKWARD: _BACKWARD,
-             Op.BACKWARD_INPUT: _BACKWARD_INPUT, Op.BACKWARD_WEIGHT: _BACKWARD_WEIGHT}
+    def having(op: Op) -> set[tuple[int, int]]:
+        return {(a.stage, a.microbatch) for w in program.workers for a in w if a.op is op}
+
+    recomputed, split = having(Op.RECOMPUTE), having(Op.BACKWARD_INPUT)
+    codes = {Op.BACKWARD: _BACKWARD, Op.BACKWARD_INPUT: _BACKWARD_INPUT,
+             Op.BACKWARD_WEIGHT: _BACKWARD_WEIGHT}
 
     def code(action) -> int:
+        pair = (action.stage, action.microbatch)
         if action.op is Op.FORWARD:
-            keep = training and (action.stage, action.microbatch) not in recomputed
-            return _KEPT if keep else _DROPPED
+            if not training or pair in recomputed:
+                return _DROPPED
+            return _KEPT_SPLIT if pair in split else _KEPT
+        if action.op is Op.RECOMPUTE:
+            return _RECOMPUTE_SPLIT if pair in split else _RECOMPUTE
         return codes[action.op]
 
     return tuple(tuple((code(a), a.stage, a.microbatch) for a in worker)
@@ -103,7 +113,8 @@ class Step:
 
     def __init__(self, params: list, state: list, inputs: list | None, targets: list | None,
                  weights: list, sizes: list, seed: int, training: bool,
-                 on_abort: Callable[[], None], open_ended: bool = False) -> None:
+                 on_abort: Callable[[], None], open_ended: bool = False,
+                 clock: StepClock | None = None) -> None:
         self.params = params
         self.state = list(state)
         self.inputs = inputs
@@ -120,7 +131,8 @@ class Step:
         # Per (stage, micro-batch): what a recompute needs, and the vjp with its input counts.
         self.saved: dict[tuple[int, int], tuple] = {}
         self.vjps: dict[tuple[int, int], tuple[Callable, tuple[int, ...]]] = {}
-        self.pending_weight_grads: dict[tuple[int, int], list] = {}
+        # Per (stage, micro-batch) between its I and its W: the backward's second half.
+        self.pending_weights: dict[tuple[int, int], SplitVJP] = {}
         self.grads: list = [None] * len(params)
         self.owned_grads: set[int] = set()
         self.outputs: list = [None] * len(sizes)
@@ -128,6 +140,7 @@ class Step:
         self._error_lock = threading.Lock()
         self._on_abort = on_abort
         self.inboxes: list[Inbox] = []  # the local driver's, kept for a step run in two calls
+        self.clock = clock  # marks when each action runs, for a Recorder
 
     def fail(self, error: BaseException) -> None:
         with self._error_lock:
@@ -199,6 +212,7 @@ class Interpreter:
         calls = (self.open_ended_calls if step.open_ended else
                  self.training_calls if step.training else self.inference_calls)
         last = len(devices) - 1
+        clock = step.clock
         code = stage = microbatch = x = None
         try:
             for code, stage, microbatch in actions:
@@ -218,13 +232,17 @@ class Interpreter:
                     state = step.state[stage]
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
                                                                  step.training):
-                        if code == _KEPT:
+                        began = clock.now(device) if clock else None
+                        if code != _DROPPED:
                             outs, step.state[stage], vjp_fn = call.forward_vjp(
-                                step.params[stage], x, state, popped, target, weight)
+                                step.params[stage], x, state, popped, target, weight,
+                                split=code == _KEPT_SPLIT)
                             step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
                         else:
                             outs, step.state[stage] = call.forward(
                                 step.params[stage], x, state, popped, target, weight)
+                        if clock:
+                            clock.add(code, stage, microbatch, device, began)
                     if code == _DROPPED and step.training:
                         step.saved[key] = (x, state, popped)
                     if stage == last:
@@ -239,18 +257,26 @@ class Interpreter:
                         _check_output(value, size, f"stashed skip {name!r}")
                         channel.send(value.leaves, device, routes[name][1],
                                      ("s", name, microbatch), value)
-                elif code == _RECOMPUTE:
+                elif code <= _RECOMPUTE_SPLIT:
                     # The inputs and state the forward saw, again; the new state is dropped.
                     x, state, popped = step.saved.pop(key)
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
                                                                  True), recomputing():
+                        began = clock.now(device) if clock else None
                         *_, vjp_fn = call.forward_vjp(
                             step.params[stage], x, state, popped,
                             step.targets[microbatch] if step.targets is not None else None,
-                            step.weights[microbatch])
+                            step.weights[microbatch], split=code == _RECOMPUTE_SPLIT)
+                        if clock:
+                            clock.add(code, stage, microbatch, device, began)
                     step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
                 elif code == _BACKWARD_WEIGHT:
-                    self.accumulate(step, stage, step.pending_weight_grads.pop(key))
+                    with transport.compute(device):
+                        began = clock.now(device) if clock else None
+                        grads = step.pending_weights.pop(key).weight_grads()
+                        if clock:
+                            clock.add(code, stage, microbatch, device, began)
+                    self.accumulate(step, stage, grads)
                 else:
                     if stage == last and step.open_ended:
                         cotangent = list(step.output_cotangents[microbatch])
@@ -262,11 +288,17 @@ class Interpreter:
                         cotangent += channel.receive(("t", name, microbatch), device)
                     vjp_fn, counts = step.vjps.pop(key)
                     with transport.compute(device):
-                        param_grads, input_grads = vjp_fn(cotangent)
+                        began = clock.now(device) if clock else None
+                        if code == _BACKWARD:
+                            param_grads, input_grads = vjp_fn(cotangent)
+                        else:
+                            input_grads = vjp_fn.input_grads(cotangent)
+                        if clock:
+                            clock.add(code, stage, microbatch, device, began)
                     if code == _BACKWARD:
                         self.accumulate(step, stage, param_grads)
                     else:
-                        step.pending_weight_grads[key] = param_grads
+                        step.pending_weights[key] = vjp_fn
                     if stage == 0 and step.open_ended:
                         step.input_grads[microbatch] = list(input_grads)
                     elif stage > 0:
@@ -364,17 +396,19 @@ class LocalDriver:
         return compiled(self._compiled, program, training, self.stateful)
 
     def infer(self, program: Program, params: list, state: list, inputs: list[Value],
-              sizes: list[int]) -> tuple[list[Any], list]:
+              sizes: list[int], record: Recorder | None = None) -> tuple[list[Any], list]:
         """Forward every micro-batch; returns the last stage's outputs, one pytree each, and
         each stage's state after the last micro-batch."""
         step = self._start(program, False, params, state, inputs, None, [1.0] * len(inputs),
-                           sizes)
+                           sizes, record=record)
         self._run(program, step, _everything)
         return step.outputs, step.state
 
     def train(self, program: Program, params: list, state: list, inputs: list[Value],
-              targets: list, weights: list[float], sizes: list[int]) -> TrainResult:
-        step = self._start(program, True, params, state, inputs, targets, weights, sizes)
+              targets: list, weights: list[float], sizes: list[int],
+              record: Recorder | None = None) -> TrainResult:
+        step = self._start(program, True, params, state, inputs, targets, weights, sizes,
+                           record=record)
         self._run(program, step, _everything)
         return TrainResult(step.outputs, step.grads_out(), step.state)
 
@@ -404,15 +438,17 @@ class LocalDriver:
 
     def _start(self, program: Program, training: bool, params: list, state: list,
                inputs: list, targets: list | None, weights: list, sizes: list,
-               open_ended: bool = False) -> Step:
+               open_ended: bool = False, record: Recorder | None = None) -> Step:
         inboxes = [Inbox() for _ in range(program.n_workers)]
 
         def abort() -> None:
             for inbox in inboxes:
                 inbox.abort()
 
+        clock = (None if record is None else
+                 record.clock(program.placement, program.n_workers, self.devices))
         step = Step(params, state, inputs, targets, weights, sizes, None, training, abort,
-                    open_ended)
+                    open_ended, clock)
         step.inboxes = inboxes
         return step
 
@@ -433,6 +469,8 @@ class LocalDriver:
             seed.restore()
         if step.error is not None:
             raise step.error
+        if step.clock is not None and part is not _forwards:
+            step.clock.finish()
 
 
 def _everything(actions: tuple) -> tuple:

@@ -19,6 +19,7 @@ from fpipe.autodiff import flatten
 from fpipe.driver import LocalDriver
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
 from fpipe.schedules.actions import Program
+from fpipe.timeline import Recorder
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -141,21 +142,24 @@ class Pipeline:
         return self.state is not None
 
     def __call__(self, x: Any, *, params: Sequence[Any] | None = None,
-                 state: Sequence[Any] | None = None) -> Any:
+                 state: Sequence[Any] | None = None, record: Recorder | None = None) -> Any:
         """The last stage's output for the whole batch, forward only (and the new state, for
-        a stateful pipeline)."""
+        a stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the
+        step's timeline."""
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
         outputs, new_state = self._driver.infer(self.inference_program, leaves, states, inputs,
-                                                sizes)
+                                                sizes, record)
         y = microbatch.join(outputs)
         return (y, new_state) if self.stateful else y
 
     def value_and_grad(self, x: Any, target: Any = None, *,
                        params: Sequence[Any] | None = None,
-                       state: Sequence[Any] | None = None) -> tuple:
+                       state: Sequence[Any] | None = None,
+                       record: Recorder | None = None) -> tuple:
         """The mean loss over the batch and its gradient with respect to every stage's
         parameters, as a list of pytrees shaped like ``params`` (and the new state, for a
-        stateful pipeline)."""
+        stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the step's
+        timeline."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
@@ -167,7 +171,7 @@ class Pipeline:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(self._to(target, self.devices[-1]), self.chunks, "target")
         result = self._driver.train(self.program, leaves, states, inputs, targets,
-                                    [size / n for size in sizes], sizes)
+                                    [size / n for size in sizes], sizes, record)
         losses = torch.stack(result.losses)
         if self.nonfinite == "raise":
             bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
