@@ -128,15 +128,38 @@ class SplitVJP:
         return record
 
 
+_INPUT, _PARAM = 1, 2
+
+
 class _Graph:
     """Which nodes of a forward's graph lead to the inputs, which only to the parameters, and
     where the two meet."""
 
     def __init__(self, outs: list, inputs: list, params: list) -> None:
-        self.to_input = _reaching(outs, inputs)
-        self.to_param = _reaching(outs, params)
-        self.recorded = [node for node in self.to_input
-                         if any(self.is_branch(child) for child, _ in node.next_functions)]
+        kind = {id(x): _INPUT for x in inputs}
+        kind.update((id(p), _PARAM) for p in params)
+        # Per node, which of the inputs (bit 1) and parameters (bit 2) it leads to, by an
+        # iterative post-order walk (deep stages would overflow Python's recursion limit).
+        self.leads_to = leads_to = {}
+        for out in outs:
+            stack = [(out.grad_fn or get_gradient_edge(out).node, False)]
+            while stack:
+                node, expanded = stack.pop()
+                if expanded:
+                    found = 0
+                    for child, _ in node.next_functions:
+                        if child is not None:
+                            found |= leads_to[child]
+                    leads_to[node] = found
+                elif node not in leads_to:
+                    leaf = getattr(node, "variable", None)  # a gradient accumulator
+                    leads_to[node] = 0 if leaf is None else kind.get(id(leaf), 0)
+                    if leaf is None:
+                        stack.append((node, True))
+                        stack.extend((child, False) for child, _ in node.next_functions
+                                     if child is not None and child not in leads_to)
+        self.recorded = [node for node, found in leads_to.items() if found & _INPUT
+                         and any(self.is_branch(child) for child, _ in node.next_functions)]
         # How many recorded nodes reach each branch node through branch nodes only.
         reached_by: dict[Node, int] = {}
         for node in self.recorded:
@@ -154,34 +177,11 @@ class _Graph:
 
     def is_branch(self, node: Node | None) -> bool:
         """Whether ``node`` leads to parameters and not to inputs."""
-        return node is not None and node in self.to_param and node not in self.to_input
+        return node is not None and self.leads_to.get(node) == _PARAM
 
     def branches(self, node: Node) -> list:
         return [GradientEdge(child, nr) for child, nr in node.next_functions
                 if self.is_branch(child)]
-
-
-def _reaching(outs: list, leaves: list) -> set:
-    """The graph nodes from ``outs`` that lead to one of ``leaves``' gradient accumulators."""
-    targets = {get_gradient_edge(leaf).node for leaf in leaves}
-    reaches: dict[Node, bool] = {}
-    roots = [out.grad_fn for out in outs if out.grad_fn is not None]
-    roots += [node for node in (get_gradient_edge(out).node for out in outs) if node in targets]
-    # Iterative post-order walk: graphs of deep stages overflow Python's recursion limit.
-    for root in roots:
-        stack = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in reaches and not expanded:
-                continue
-            children = [child for child, _ in node.next_functions if child is not None]
-            if expanded:
-                reaches[node] = node in targets or any(reaches[c] for c in children)
-                continue
-            reaches.setdefault(node, False)
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if c not in reaches)
-    return {node for node, hit in reaches.items() if hit}
 
 
 def _add(totals: dict, key: Any, grad: torch.Tensor) -> None:
