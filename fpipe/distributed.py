@@ -38,7 +38,7 @@ from fpipe.driver import Interpreter, Step, compiled
 from fpipe.errors import BatchError, PeerError, PlacementError, StageError
 from fpipe.pipeline import check_params, check_state, stage_devices
 from fpipe.rng import StepSeed
-from fpipe.schedules.actions import Program
+from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.stream import Transport
 from fpipe.timeline import Recorder
@@ -77,7 +77,7 @@ def my_stages(schedule: Any, n_stages: int, rank: int | None = None) -> tuple[in
 
     Build or load only these stages' parameters and pass them to :func:`pipeline`.
     """
-    program = validate(schedule.program(n_stages))
+    program = validate(program_of(schedule, n_stages))
     rank = dist.get_rank() if rank is None else rank
     return tuple(s for s, worker in enumerate(program.placement) if worker == rank)
 
@@ -121,10 +121,7 @@ class DistributedPipeline:
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
         stages = list(stages)
-        program = schedule.program(len(stages))
-        if not isinstance(program, Program) or program.n_stages != len(stages):
-            raise TypeError(f"schedule.program({len(stages)}) must return a Program for "
-                            f"{len(stages)} stages, got {program!r}")
+        program = program_of(schedule, len(stages))
         # Validated and compiled once, before anything reads the placement.
         self._compiled: dict = {}
         self.program, self.inference_program = program, program.forward_only()

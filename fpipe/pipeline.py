@@ -18,7 +18,7 @@ from fpipe import microbatch
 from fpipe.autodiff import flatten
 from fpipe.driver import LocalDriver
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
-from fpipe.schedules.actions import Program
+from fpipe.schedules.actions import program_of
 from fpipe.timeline import Recorder
 
 __all__ = ["pipeline", "Pipeline"]
@@ -38,7 +38,8 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
         params: one pytree of tensors per stage. Each stage runs on the device of its
             parameters; they are never copied or moved.
         schedule: a schedule value such as ``gpipe(chunks=8)`` or ``one_f_one_b(chunks=8)``,
-            or anything with a ``program(n_stages) -> Program`` method (a ``Program`` itself).
+            anything with a ``program(n_stages) -> Program`` method (a ``Program`` itself), or
+            a function ``n_stages -> Program``.
         loss_fn: ``loss_fn(y, target) -> scalar``, the mean loss over a micro-batch's samples;
             needed for :meth:`Pipeline.value_and_grad`.
         devices: the device of each stage. Without it, a stage's device is that of its
@@ -96,9 +97,6 @@ class Pipeline:
         if state is not None and len(state) != len(stages):
             raise ValueError(f"got {len(stages)} stages but {len(state)} state pytrees: give "
                              f"one per stage (an empty dict for a stage without state)")
-        if not hasattr(schedule, "program"):
-            raise TypeError(f"schedule must be a schedule value such as gpipe(chunks=8) or a "
-                            f"Program, got {type(schedule).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if nonfinite not in ("raise", "ignore"):
@@ -120,11 +118,7 @@ class Pipeline:
             check_state(dict(enumerate(state)), self.devices)
             self.state = list(state)
 
-        program = schedule.program(len(stages))
-        if not isinstance(program, Program) or program.n_stages != len(stages):
-            raise TypeError(f"schedule.program({len(stages)}) must return a Program for "
-                            f"{len(stages)} stages, got {program!r}")
-        self.program = program
+        self.program = program = program_of(schedule, len(stages))
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
                                    program.n_workers, loss_fn, stateful=self.stateful,

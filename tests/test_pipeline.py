@@ -285,3 +285,18 @@ def test_schedules_doing_the_same_arithmetic_agree_bitwise():
         assert torch.equal(other_loss, loss)
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(other_grads),
                                                      optree.tree_leaves(grads)))
+
+
+def test_a_plain_function_is_a_schedule():
+    def fill_drain(n_stages):
+        return gpipe(chunks=2, remat="never").program(n_stages)
+
+    params = mlp_params(3)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with fpipe.pipeline([block] * 3, params, schedule=fill_drain, loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, x)
+    want_loss, want_grads = whole_batch([block] * 3, params, x, x, mse)
+    torch.testing.assert_close(loss, want_loss, **TIGHT)
+    assert_trees_close(grads, want_grads)
+    with pytest.raises(TypeError, match=r"<lambda>\(2\) must return a Program for 2 stages"):
+        fpipe.pipeline([block] * 2, params[:2], schedule=lambda n: fill_drain(3), loss_fn=mse)

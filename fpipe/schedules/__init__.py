@@ -4,7 +4,7 @@ Nothing here knows about tensors: a schedule compiles to a :class:`Program`, whi
 printed, validated, transformed (rematerialisation) and simulated on its own.
 """
 
-from fpipe.schedules.actions import Action, Op, Program
+from fpipe.schedules.actions import Action, Op, Program, program_of
 from fpipe.schedules.colocate import colocate
 from fpipe.schedules.gpipe import GPipe, gpipe
 from fpipe.schedules.one_f_one_b import OneFOneB, one_f_one_b
@@ -15,5 +15,5 @@ from fpipe.schedules.validate import ScheduleError, validate
 __all__ = [
     "Action", "Op", "Program", "ScheduleError", "validate", "gpipe", "one_f_one_b", "GPipe",
     "OneFOneB", "Costs", "simulate", "Simulation", "apply_remat", "normalize_remat", "in_flight",
-    "colocate",
+    "colocate", "program_of",
 ]

@@ -180,6 +180,26 @@ class Program:
         return cls(actions, n_stages, n_microbatches)
 
 
+def program_of(schedule: object, n_stages: int) -> Program:
+    """The program of ``schedule`` for ``n_stages`` stages.
+
+    A schedule is anything with a ``program(n_stages) -> Program`` method (the shipped
+    constructors' values, a ``Program`` itself), or a plain function ``n_stages -> Program``.
+    """
+    if hasattr(schedule, "program"):
+        make, name = schedule.program, "schedule.program"
+    elif callable(schedule):
+        make, name = schedule, getattr(schedule, "__name__", "schedule")
+    else:
+        raise TypeError(f"schedule must be a schedule value such as gpipe(chunks=8), a Program, "
+                        f"or a function n_stages -> Program, got {type(schedule).__name__}")
+    program = make(n_stages)
+    if not isinstance(program, Program) or program.n_stages != n_stages:
+        raise TypeError(f"{name}({n_stages}) must return a Program for {n_stages} stages, "
+                        f"got {program!r}")
+    return program
+
+
 def positive_int(name: str, value: object) -> int:
     """``value`` if it is an int of at least 1 (a bool is not), else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
