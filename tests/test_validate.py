@@ -129,7 +129,9 @@ def test_error_message_names_rule_action_worker():
     assert (error.rule, error.action, error.worker) == ("backward-after-forward",
                                                         Action.parse("1B0"), 1)
     assert str(error) == ("schedule rule 'backward-after-forward' broken at action 1B0 on "
-                          "worker 1: 1B0 needs 1F0, which worker 1 runs later")
+                          "worker 1: 1B0 needs 1F0, which worker 1 runs later\n"
+                          "  worker 0: 0F0 0B0\n"
+                          "  worker 1: [1B0] 1F0")
 
 
 def test_error_survives_pickling():

@@ -1,19 +1,25 @@
 """Schedules as values: programs of per-worker actions, checked and simulated before running.
 
 Nothing here knows about tensors: a schedule compiles to a :class:`Program`, which can be
-printed, validated, transformed (rematerialisation) and simulated on its own.
+printed, validated, transformed (rematerialisation) and simulated on its own, exchanged with
+``torch.distributed.pipelining`` as CSV, drawn, and traced for Perfetto. Hypothesis strategies
+for testing schedules are in :mod:`fpipe.schedules.strategies` (not imported here).
 """
 
 from fpipe.schedules.actions import Action, Op, Program, program_of
 from fpipe.schedules.colocate import colocate
+from fpipe.schedules.csv_format import from_csv, to_csv
 from fpipe.schedules.gpipe import GPipe, gpipe
 from fpipe.schedules.one_f_one_b import OneFOneB, one_f_one_b
 from fpipe.schedules.remat import apply_remat, normalize_remat
-from fpipe.schedules.simulate import Costs, Simulation, in_flight, simulate
+from fpipe.schedules.render import draw, listing, render
+from fpipe.schedules.simulate import Costs, Simulation, Span, in_flight, simulate
+from fpipe.schedules.trace import chrome_trace, write_chrome_trace
 from fpipe.schedules.validate import ScheduleError, validate
 
 __all__ = [
     "Action", "Op", "Program", "ScheduleError", "validate", "gpipe", "one_f_one_b", "GPipe",
-    "OneFOneB", "Costs", "simulate", "Simulation", "apply_remat", "normalize_remat", "in_flight",
-    "colocate", "program_of",
+    "OneFOneB", "Costs", "simulate", "Simulation", "Span", "apply_remat", "normalize_remat",
+    "in_flight", "colocate", "program_of", "to_csv", "from_csv", "render", "draw", "listing",
+    "chrome_trace", "write_chrome_trace",
 ]

@@ -18,23 +18,29 @@ class ScheduleError(ValueError):
 
     ``action`` and ``worker`` are ``None`` where the rule concerns no single one of them (a
     program without workers) or where no worker holds the action (a missing action of a stage
-    that appears nowhere).
+    that appears nowhere). ``context`` is the program as written around the action, which is
+    marked ``[like this]`` (see :func:`fpipe.schedules.render.listing`); the message shows it
+    below its first line.
     """
 
     def __init__(self, rule: str, explanation: str, action: Action | None = None,
-                 worker: int | None = None) -> None:
+                 worker: int | None = None, context: str = "") -> None:
         where = "".join([
             f" at action {action}" if action is not None else "",
             f" on worker {worker}" if worker is not None else "",
         ])
-        super().__init__(f"schedule rule '{rule}' broken{where}: {explanation}")
+        message = f"schedule rule '{rule}' broken{where}: {explanation}"
+        if context:
+            message += "\n" + "\n".join("  " + line for line in context.splitlines())
+        super().__init__(message)
         self.rule = rule
         self.explanation = explanation
         self.action = action
         self.worker = worker
+        self.context = context
 
     def __reduce__(self):
-        return type(self), (self.rule, self.explanation, self.action, self.worker)
+        return type(self), (self.rule, self.explanation, self.action, self.worker, self.context)
 
 
 def dependencies(action: Action, present: Container[Action],
@@ -68,12 +74,33 @@ def validate(program: Program, *, training: bool = True) -> Program:
     """
     if program.n_workers == 0:
         raise ScheduleError("no-workers", "a program needs at least one worker")
-    _check_ranges(program)
-    _check_placement(program)
-    _check_exactly_once(program, training)
-    _check_worker_order(program)
-    execution_order(program)
+    try:
+        _check_ranges(program)
+        _check_placement(program)
+        _check_exactly_once(program, training)
+        _check_worker_order(program)
+        execution_order(program)
+    except ScheduleError as error:
+        if error.context:
+            raise
+        raise _in_context(error, program) from None
     return program
+
+
+def _in_context(error: ScheduleError, program: Program,
+                marks: list[tuple[int, int]] | None = None) -> ScheduleError:
+    """``error`` again, showing ``program`` around the marked positions (by default, every
+    place its action appears on its worker)."""
+    # render imports simulate, which imports this module: import it when an error needs it.
+    from fpipe.schedules.render import listing
+
+    if marks is None:
+        marks = []
+        if error.worker is not None and error.action is not None:
+            actions = program.workers[error.worker]
+            marks = [(error.worker, i) for i, a in enumerate(actions) if a == error.action]
+    return ScheduleError(error.rule, error.explanation, error.action, error.worker,
+                         context=listing(program, marks))
 
 
 def execution_order(program: Program) -> tuple[Action, ...]:
@@ -110,20 +137,37 @@ def execution_order(program: Program) -> tuple[Action, ...]:
 
 def _raise_deadlock(program: Program, position: list[int], present: frozenset[Action],
                     done: set[Action]) -> None:
-    blocked = []
+    blocked = {}
+    waits_on = {}
     for worker, actions in enumerate(program.workers):
         if position[worker] < len(actions):
             action = actions[position[worker]]
-            needs = ", ".join(
-                f"{d} (worker {program.placement[d.stage]})"
-                for d, _ in dependencies(action, present, program.n_stages) if d not in done
-            )
-            blocked.append((worker, action, needs))
-    worker, action, _ = blocked[0]
-    detail = "; ".join(f"worker {w} is stuck at {a} waiting for {n}" for w, a, n in blocked)
-    raise ScheduleError(
-        "deadlock", f"the per-worker orders admit no global order: {detail}", action, worker
-    )
+            needs = [d for d, _ in dependencies(action, present, program.n_stages)
+                     if d not in done]
+            waits_on[worker] = program.placement[needs[0].stage]
+            blocked[worker] = (action, ", ".join(
+                f"{d} (worker {program.placement[d.stage]})" for d in needs))
+    # Each blocked worker waits on another blocked one: following the waits finds a cycle.
+    worker = next(iter(blocked))
+    path: list[int] = []
+    while worker not in path:
+        path.append(worker)
+        worker = waits_on[worker]
+    cycle = path[path.index(worker):]
+    shown = sorted(blocked) if len(blocked) <= _MAX_BLOCKED else sorted(cycle)[:_MAX_BLOCKED]
+    detail = "; ".join(f"worker {w} is stuck at {blocked[w][0]} waiting for {blocked[w][1]}"
+                       for w in shown)
+    if len(shown) < len(blocked):
+        detail += f"; and {len(blocked) - len(shown)} more workers wait behind them"
+    first = min(cycle)
+    error = ScheduleError("deadlock", f"the per-worker orders admit no global order: {detail}",
+                          blocked[first][0], first)
+    marks = [(w, position[w]) for w in [first, *shown, *blocked]]
+    raise _in_context(error, program, marks)
+
+
+#: A deadlock names at most this many stuck workers (those on the cycle, when there are more).
+_MAX_BLOCKED = 6
 
 
 def _check_ranges(program: Program) -> None:

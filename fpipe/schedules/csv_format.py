@@ -1,0 +1,158 @@
+"""Programs as CSV, in the layout ``torch.distributed.pipelining`` reads and writes.
+
+torch's ``PipelineScheduleMulti._dump_csv`` writes one row per rank and one action per cell,
+spelled ``<stage><op><micro-batch>`` (``0F0``, ``1I2``, ``1W2``); an empty cell is a step the
+rank sits idle. Its lowered schedules also hold communication and resharding actions
+(``1SEND_F0``, ``2RECV_B1``, ``0UNSHARD``, ``0RESHARD``, ``0REDUCE_GRAD``), and may fuse a
+forward with a backward as ``(0F1;1B0)OVERLAP_F_B``.
+
+fpipe reads all of these. Transfers are implied by a program's data dependencies, so
+communication and resharding actions are dropped on import; a fused ``OVERLAP_F_B`` becomes its
+parts, in order; empty cells are skipped.
+
+torch has spelt the backward two ways:
+
+* **new** (torch 2.6 and later): ``I`` input-gradient, ``W`` weight-gradient, ``B`` full backward;
+* **old** (torch 2.4 and 2.5): ``B`` input-gradient, ``W`` weight-gradient, ``BW`` full backward.
+
+:func:`to_csv` writes the new spelling. A recompute (``R``) has no torch counterpart: it is
+written as ``R``, which fpipe reads back but torch does not; apply rematerialisation after
+importing instead (:func:`fpipe.schedules.apply_remat`), or export a program without it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from pathlib import Path
+
+from fpipe.schedules.actions import Action, B, F, I, Program, R, W
+
+__all__ = ["to_csv", "from_csv", "SPELLINGS"]
+
+#: The accepted values of ``from_csv(..., spelling=...)``.
+SPELLINGS = ("auto", "new", "old")
+
+#: Actions torch lowers a schedule into that fpipe implies from the data dependencies.
+_IGNORED = frozenset({
+    "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SEND_F_RECV_B", "SEND_B_RECV_F", "UNSHARD",
+    "RESHARD", "REDUCE_GRAD",
+})
+_COMPUTE = ("BW", "F", "R", "B", "I", "W")
+# Longest names first, so that ``BW`` is not read as ``B`` followed by junk.
+_NAMES = "|".join(sorted(_IGNORED | set(_COMPUTE), key=len, reverse=True))
+_CELL_RE = re.compile(rf"(\d+)({_NAMES})(\d*)")
+_FUSED_RE = re.compile(r"\((.*)\)\s*OVERLAP_F_B")
+
+_NEW = {"F": F, "R": R, "I": I, "W": W, "B": B}
+_OLD = {"F": F, "R": R, "B": I, "W": W, "BW": B}
+
+
+def to_csv(program: Program, path: str | os.PathLike[str] | None = None) -> str:
+    """``program`` as CSV text: one row per worker, one action per cell, new spelling.
+
+    With ``path``, the text is also written there. A worker with no actions is an empty row.
+    ``from_csv(to_csv(program)) == program`` for every valid program; for an invalid one (a
+    ``W`` without its ``I`` reads as the old spelling) pass ``spelling="new"``.
+    """
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    for actions in program.workers:
+        writer.writerow([str(a) for a in actions])
+    text = buffer.getvalue()
+    if path is not None:
+        Path(path).write_text(text, encoding="utf-8")
+    return text
+
+
+def from_csv(text_or_path: str | os.PathLike[str], n_stages: int | None = None,
+             n_microbatches: int | None = None, spelling: str = "auto") -> Program:
+    """Read a program from CSV text or a CSV file, one row per worker (blank rows included).
+
+    ``text_or_path`` is a file when it is a path object, or a string without a comma or a line
+    break that names an existing file or ends in ``.csv``; any other string is CSV text.
+
+    ``spelling`` is ``"new"``, ``"old"`` or ``"auto"`` (see the module documentation). ``auto``
+    reads the old spelling when a ``BW`` appears, or a ``W`` with no ``I``, and the new one
+    otherwise; a text holding both ``BW`` and ``I`` fits neither and is a ValueError.
+
+    Stage and micro-batch counts default to one more than the largest index mentioned. The
+    result is not validated: call :func:`fpipe.schedules.validate` to check it.
+    """
+    if spelling not in SPELLINGS:
+        raise ValueError(f"spelling must be one of {', '.join(map(repr, SPELLINGS))}, "
+                         f"got {spelling!r}")
+    rows = list(csv.reader(io.StringIO(_read(text_or_path))))
+    cells = [[_parse_cell(cell, r, c) for c, cell in enumerate(row)] for r, row in enumerate(rows)]
+    ops = {op for row in cells for parsed in row for _, op, _, _ in parsed}
+    meaning = _OLD if _spelling(spelling, ops, cells) == "old" else _NEW
+    workers = [
+        [Action(stage, meaning[op], mb) for parsed in row for stage, op, mb, _ in parsed]
+        for row in cells
+    ]
+    return Program.from_actions(workers, n_stages, n_microbatches)
+
+
+def _read(text_or_path: str | os.PathLike[str]) -> str:
+    if isinstance(text_or_path, os.PathLike):
+        return Path(text_or_path).read_text(encoding="utf-8-sig")
+    if not isinstance(text_or_path, str):
+        raise TypeError(f"expected CSV text or a path, got {type(text_or_path).__name__}")
+    if not any(ch in text_or_path for ch in ",\n\r") and (
+            text_or_path.strip().lower().endswith(".csv") or os.path.isfile(text_or_path)):
+        return Path(text_or_path).read_text(encoding="utf-8-sig")
+    return text_or_path.removeprefix("\ufeff")
+
+
+#: One compute action of a cell: (stage, op as written, micro-batch, the text it came from).
+_Parsed = tuple[int, str, int, str]
+
+
+def _parse_cell(cell: str, row: int, column: int) -> list[_Parsed]:
+    """The compute actions a cell holds: none (empty, communication), one, or a fused pair."""
+    text = cell.strip()
+    if not text:
+        return []
+    fused = _FUSED_RE.fullmatch(text)
+    if fused:
+        return [action for part in fused.group(1).split(";")
+                for action in _parse_cell(part, row, column)]
+    match = _CELL_RE.fullmatch(text)
+    where = f"row {row + 1} (worker {row}), cell {column + 1}"
+    if match is None:
+        raise ValueError(
+            f"cannot read {text!r} at {where}: expected <stage><op><micro-batch> with op one of "
+            f"{', '.join(_COMPUTE)} (e.g. '2F0'), a communication action such as '1SEND_F0', "
+            f"or an empty cell"
+        )
+    stage, op, mb = match.groups()
+    if op in _IGNORED:
+        return []
+    if not mb:
+        raise ValueError(f"cannot read {text!r} at {where}: a compute action needs a "
+                         f"micro-batch, e.g. '{stage}{op}0'")
+    return [(int(stage), op, int(mb), f"{text!r} at {where}")]
+
+
+def _spelling(spelling: str, ops: set[str], cells: list[list[list[_Parsed]]]) -> str:
+    def first(op: str) -> str:
+        return next(p[3] for row in cells for parsed in row for p in parsed if p[1] == op)
+
+    if "BW" in ops and "I" in ops:
+        raise ValueError(
+            f"the CSV mixes the two spellings of the backward: {first('BW')} is the old full "
+            f"backward, {first('I')} the new input-gradient one; write B for the full backward "
+            f"and I for the input gradient (new), or BW and B (old)"
+        )
+    if spelling == "old" and "I" in ops:
+        raise ValueError(f"{first('I')} is not in the old spelling, which writes the "
+                         f"input-gradient backward as B; use spelling='new' or 'auto'")
+    if spelling == "new" and "BW" in ops:
+        raise ValueError(f"{first('BW')} is not in the new spelling, which writes the full "
+                         f"backward as B; use spelling='old' or 'auto'")
+    if spelling == "auto":
+        return "old" if "BW" in ops or ("W" in ops and "I" not in ops) else "new"
+    return spelling
+
