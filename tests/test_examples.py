@@ -13,7 +13,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.mark.parametrize("script, args", [("train_mlp.py", ["--steps", "40"]),
-                                          ("unet_skips.py", ["--steps", "15"])])
+                                          ("unet_skips.py", ["--steps", "15"]),
+                                          ("custom_schedule.py", ["--steps", "30"])])
 def test_example_learns(script, args):
     run = subprocess.run([sys.executable, str(EXAMPLES / script), *args], check=True,
                          timeout=300, capture_output=True, text=True)
