@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: timing, the machine's description, the table and the JSON file."""
+"""Shared by the benchmarks: timing, the machine's description, the table and the JSON file,
+and a harness that runs a function on several processes joined in a gloo group."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import argparse
 import json
 import os
 import platform
+import queue
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 
@@ -50,18 +54,140 @@ def seconds_per_call(fn: Callable[[], object], repeat: int, warmup: int = 2) -> 
     return times[len(times) // 2]
 
 
-def report(title: str, columns: list[str], rows: list[dict], path: str | None) -> None:
+def report(title: str, columns: list[str], rows: list[dict], path: str | None,
+           notes: list[str] | None = None, tables: dict[str, list[dict]] | None = None) -> None:
+    """Print the machine, ``rows`` as a table of ``columns`` and ``notes`` under it; with
+    ``path``, write all of it as JSON. ``tables`` are further tables, printed after the
+    first under their names (and written under "tables"), each with the columns of its rows."""
     info = machine()
     print(f"{title}\n{info['command']}\ntorch {info['torch']}, {info['cpus']} CPUs "
           f"({info['processor']}), cuda: {info['cuda']}")
-    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    _table(columns, rows)
+    for name, more in (tables or {}).items():
+        print(f"\n{name}")
+        _table(list(more[0]) if more else [], more)
+    for note in notes or []:
+        print(f"note: {note}")
+    if path:
+        result = {"title": title, "machine": info, "rows": rows}
+        if tables:
+            result["tables"] = tables
+        if notes:
+            result["notes"] = notes
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def _table(columns: list[str], rows: list[dict]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
-        print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))
-    if path:
-        with open(path, "w") as f:
-            json.dump({"title": title, "machine": info, "rows": rows}, f, indent=2)
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
 
 
 def _fmt(value: object) -> str:
+    if value is None:
+        return "-"
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+
+def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 600.0) -> list:
+    """``target(rank, world, *args)`` on ``world`` fresh processes, one intra-op thread each,
+    joined in a gloo group on 127.0.0.1 whose store this process hosts.
+
+    Returns each rank's result in rank order: what ``target`` returned, ``{"error": text}`` if
+    it raised, or None if the rank died or outlived ``timeout`` (then it is killed). ``target``
+    must be importable by the children (a module-level function; ``spawn`` start method).
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    context = mp.get_context("spawn")
+    results_queue = context.Queue()
+    ranks = [context.Process(target=_rank_main,
+                             args=(target, rank, world, store.port, results_queue, args),
+                             daemon=True) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    results: list = [None] * world
+    received, deadline = 0, time.monotonic() + timeout
+    # Read while the ranks run (a result larger than a pipe's buffer would block its sender).
+    while received < world and time.monotonic() < deadline:
+        try:
+            rank, result = results_queue.get(timeout=0.5)
+        except queue.Empty:
+            if not any(process.is_alive() for process in ranks) and results_queue.empty():
+                break
+            continue
+        results[rank] = result
+        received += 1
+    for process in ranks:
+        process.join(max(deadline - time.monotonic(), 1.0))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return results
+
+
+def _rank_main(target: Callable, rank: int, world: int, port: int, results_queue,
+               args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
+                            timeout=timedelta(seconds=120))
+    try:
+        result = target(rank, world, *args)
+    except Exception:  # noqa: BLE001 - reported to the parent, which makes it a row
+        result = {"error": traceback.format_exc(limit=3)}
+    results_queue.put((rank, result))
+    dist.destroy_process_group()
+
+
+def run_jobs(rank: int, world: int, jobs: list, timeout: float = 60.0) -> list[dict]:
+    """Run each ``job(rank, world, group)`` in turn on every rank of a spawned group, each with
+    a fresh gloo group; a job that raises gives ``{"error": "Type: message"}`` and aborts its
+    group, which wakes the ranks waiting on this one, so the next job starts clean."""
+    import torch.distributed as dist
+
+    results = []
+    for job in jobs:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        try:
+            results.append(job(rank, world, group))
+        except Exception as exc:  # noqa: BLE001 - a failing configuration is a row, not a crash
+            results.append({"error": error_text(exc)})
+            dist.distributed_c10d._abort_process_group(group)
+        dist.barrier()
+    return results
+
+
+def error_text(exc: BaseException, limit: int = 240) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def timed_steps(step: Callable[[], object], group, repeat: int, warmup: int = 2) -> float:
+    """The median wall time of ``step`` run by every rank of ``group`` at once: each step
+    starts and ends with a barrier, so it lasts until the slowest rank is done."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + repeat):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        step()
+        dist.barrier(group=group)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]

@@ -1,14 +1,25 @@
 """Pipeline scaling on the CPU: a deep stack of equal blocks over K workers, one thread each.
 
     python benchmarks/cpu_scaling.py [--quick] [--json PATH] [--workers 1 2 4 8]
+        [--chunks 8 32] [--no-distributed]
 
-Torch's intra-op threads are set to 1, so a worker uses one core. naive-1 is plain
-``torch.func`` on the whole batch on one thread; fpipe splits the same stack into K stages.
-speedup = naive-1 time / fpipe time; bound = K*M/(M+K-1), the most a fill-drain pipeline can
-gain; efficiency = speedup / bound. "K x naive-1 at once" runs K copies on K threads: what the
-machine itself allows. "naive-1, M micro-batches in a loop" is the same work as a pipeline's,
-micro-batched but on one thread: on a CPU small micro-batches re-read every weight, so it is
-the baseline that isolates what pipelining itself gains.
+Torch's intra-op threads are set to 1, so a worker (thread or process) uses one core. The same
+model, batch and M micro-batches run as:
+- naive-1: plain ``torch.func`` on the whole batch on one thread, the reference of *speedup*;
+- "K copies at once": K naive-1 steps on K threads, what the machine itself allows;
+- "M micro-batches in a loop": naive-1's work micro-batched on one thread (on a CPU small
+  micro-batches re-read every weight, so this isolates what pipelining itself gains);
+- fpipe's local driver (one thread per worker) and its ``fpipe.distributed`` driver (one
+  process per worker, gloo on 127.0.0.1), with GPipe (no remat), 1F1B and every other
+  schedule ``fpipe.schedules`` exports;
+- ``torch.distributed.pipelining`` with one process per rank: ScheduleGPipe, Schedule1F1B,
+  ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (stages r and r+K on rank r),
+  ScheduleZBVZeroBubble and ScheduleDualPipeV (stages r and 2K-1-r). A schedule that fails
+  is a row with its error.
+speedup = naive-1 time / step time; bound = K*M/(M+K-1), the most a fill-drain pipeline can
+gain; efficiency = speedup / bound. *check* compares the step's loss and its first gradient
+with naive-1's. K larger than the machine's cores is run only when asked (--workers), and its
+rows are marked oversubscribed. A distributed step is timed from a barrier to a barrier.
 """
 
 from __future__ import annotations
@@ -17,82 +28,115 @@ import os
 import threading
 
 import torch
-from common import parser, report, seconds_per_call
-from torch.func import grad_and_value
+from common import parser, report, run_jobs, seconds_per_call, spawn_ranks
+from residual import (
+    Model,
+    check,
+    distributed_jobs,
+    fpipe_schedules,
+    loss_fn,
+    merge_ranks,
+    naive_step,
+    split,
+    stage,
+)
 
 import fpipe
-from fpipe.schedules import gpipe, one_f_one_b
+
+COLUMNS = ["K", "M", "driver", "schedule", "step_ms", "speedup", "bound", "efficiency", "check",
+           "note"]
 
 
-def block(p, x):
-    return x + torch.tanh(x @ p["w"]) @ p["v"]
+def row(k: int, m: int, driver: str, schedule: str, seconds: float | None, speedup: float | None,
+        bound: float, check_: str = "", note: str = "") -> dict:
+    return {"K": k, "M": m, "driver": driver, "schedule": schedule,
+            "step_ms": None if seconds is None else seconds * 1e3, "speedup": speedup,
+            "bound": bound, "efficiency": None if speedup is None else speedup / bound,
+            "check": check_, "note": note}
 
 
 def main() -> None:
+    cores = os.cpu_count() or 1
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+",
-                   default=[k for k in (1, 2, 4, 8) if k <= (os.cpu_count() or 1)])
+                   default=[k for k in (1, 2, 4, 8) if k <= cores])
+    p.add_argument("--chunks", type=int, nargs="+", help="M values (default 8; 8 32 in full)")
+    p.add_argument("--model", type=int, nargs=3, metavar=("LAYERS", "WIDTH", "BATCH"),
+                   help="another model size than the mode's")
+    p.add_argument("--no-distributed", action="store_true",
+                   help="only the in-process rows (no spawned ranks)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    width, batch, layers = (256, 256, 8) if args.quick else (512, 512, 16)
+    model = Model(*(args.model or ((8, 256, 256) if args.quick else (16, 512, 512))))
+    chunks_list = args.chunks or ([8] if args.quick else [8, 32])
     repeat = 3 if args.quick else 7
-    params = [{"w": torch.randn(width, width) / width ** 0.5,
-               "v": torch.randn(width, width) / width ** 0.5} for _ in range(layers)]
-    x, target = torch.randn(batch, width), torch.randn(batch, width)
+    params = model.params()
+    x, target = model.data()
+    grads, loss = naive_step(params, x, target)
+    ref = (float(loss), float(grads[0]["w"].norm()))
 
-    def loss_fn(y, t):
-        return torch.nn.functional.mse_loss(y, t)
-
-    def whole(ps, xs=x, ts=target):
-        h = xs
-        for q in ps:
-            h = block(q, h)
-        return loss_fn(h, ts)
-
-    naive = seconds_per_call(lambda: grad_and_value(whole)(params), repeat)
-    rows = [{"K": 1, "M": 1, "what": "naive-1", "step_ms": naive * 1e3, "speedup": 1.0,
-             "bound": 1.0, "efficiency": 1.0}]
+    naive = seconds_per_call(lambda: naive_step(params, x, target), repeat)
+    rows = [row(1, 1, "naive-1", "whole batch", naive, 1.0, 1.0, "ok")]
+    notes = []
+    unrun = [k for k in (1, 2, 4, 8) if k > cores and k not in args.workers]
+    if unrun:
+        notes.append(f"K = {', '.join(map(str, unrun))} not run: this machine has {cores} "
+                     f"cores (pass --workers to run them; their rows are then marked "
+                     f"oversubscribed and are not scaling figures)")
+    # The quick mode spawns ranks for one K only (the largest), to stay under a minute.
+    spawned = [] if args.no_distributed else \
+        [max(args.workers)] if args.quick else list(args.workers)
     for k in args.workers:
+        over = f"oversubscribed: {k} workers on {cores} cores" if k > cores else ""
         if k > 1:
             def copies(k=k):
-                threads = [threading.Thread(target=grad_and_value(whole), args=(params,))
+                threads = [threading.Thread(target=naive_step, args=(params, x, target))
                            for _ in range(k)]
                 for t in threads:
                     t.start()
                 for t in threads:
                     t.join()
             t = seconds_per_call(copies, repeat)
-            rows.append({"K": k, "M": 1, "what": f"{k} x naive-1 at once", "step_ms": t * 1e3,
-                         "speedup": k * naive / t, "bound": float(k), "efficiency": naive / t})
-        per = layers // k
-
-        def stage(ps, h):
-            for q in ps:
-                h = block(q, h)
-            return h
-
-        stage_params = [params[i * per:(i + 1) * per] for i in range(k)]
-        for m in ([8] if args.quick else [8, 32]):
+            rows.append(row(k, 1, f"{k} x naive-1", "copies at once", t, k * naive / t,
+                            float(k), "", over))
+        for m in chunks_list:
+            bound = k * m / (m + k - 1)
             if k == 1:
                 def micro_batched(m=m):
                     for xm, tm in zip(x.tensor_split(m), target.tensor_split(m)):
-                        grad_and_value(whole)(params, xm, tm)
+                        naive_step(params, xm, tm)
                 t = seconds_per_call(micro_batched, repeat)
-                rows.append({"K": 1, "M": m, "what": f"naive-1, {m} micro-batches in a loop",
-                             "step_ms": t * 1e3, "speedup": naive / t, "bound": 1.0,
-                             "efficiency": naive / t})
-            for schedule in (gpipe(chunks=m, remat="never"), one_f_one_b(chunks=m)):
-                with fpipe.pipeline([stage] * k, stage_params, schedule=schedule,
-                                    loss_fn=loss_fn) as pipe:
-                    t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
+                rows.append(row(1, m, "naive-1", f"{m} micro-batches in a loop", t, naive / t,
+                                1.0))
+            for name, schedule, n_stages in fpipe_schedules(m, k):
+                try:
+                    with fpipe.pipeline([stage] * n_stages, split(params, n_stages),
+                                        schedule=schedule, loss_fn=loss_fn) as pipe:
+                        t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
+                        loss, grads = pipe.value_and_grad(x, target)
+                    result = {"loss": float(loss), "grad0": float(grads[0][0]["w"].norm())}
+                    rows.append(row(k, m, "fpipe local", name, t, naive / t, bound,
+                                    check(result, *ref), over))
+                except Exception as exc:  # noqa: BLE001 - a failing schedule is a row
+                    rows.append(row(k, m, "fpipe local", name, None, None, bound,
+                                    "failed", f"{type(exc).__name__}: {exc}"[:200]))
+        if k in spawned:
+            jobs = distributed_jobs(model, chunks_list, k, repeat)
+            results = spawn_ranks(run_jobs, k, [job for *_, job in jobs],
+                                  timeout=300 if args.quick else 1800)
+            for j, (driver, name, m, _) in enumerate(jobs):
                 bound = k * m / (m + k - 1)
-                rows.append({"K": k, "M": m, "what": f"fpipe {schedule!r}", "step_ms": t * 1e3,
-                             "speedup": naive / t, "bound": bound,
-                             "efficiency": naive / t / bound})
-    report(f"CPU pipeline scaling ({layers} blocks of width {width}, batch {batch}, "
-           f"1 intra-op thread)", ["K", "M", "what", "step_ms", "speedup", "bound",
-                                   "efficiency"], rows, args.json)
+                result = merge_ranks([r if r is None or isinstance(r, dict) else r[j]
+                                      for r in results])
+                if "error" in result:
+                    rows.append(row(k, m, driver, name, None, None, bound, "failed",
+                                    result["error"].strip().splitlines()[-1][:200]))
+                else:
+                    t = result["seconds"]
+                    rows.append(row(k, m, driver, name, t, naive / t, bound,
+                                    check(result, *ref), over))
+    report(f"CPU pipeline scaling ({model.layers} blocks of width {model.width}, batch "
+           f"{model.batch}, 1 intra-op thread per worker)", COLUMNS, rows, args.json, notes)
 
 
 if __name__ == "__main__":
