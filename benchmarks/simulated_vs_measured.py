@@ -1,13 +1,14 @@
 """The simulator's prediction beside the measured step time, per schedule (DESIGN contract 7).
 
-    python benchmarks/simulated_vs_measured.py [--quick] [--json PATH]
+    python benchmarks/simulated_vs_measured.py [--quick] [--json PATH] [--trace PATH]
 
 Each stage's forward (with its vjp built, as a kept forward is), backward, and forward without
 a graph (a forward that will be recomputed) are timed alone on one thread, per micro-batch.
 ``fpipe.schedules.simulate`` turns those costs into a predicted step time for each program,
 which is then run for real with one worker thread per stage (one intra-op thread each).
 A ratio near 1 means the cost model explains the step; above 1, the driver (hand-offs,
-Python) or the machine (cores shared) costs what the model leaves out.
+Python) or the machine (cores shared) costs what the model leaves out. ``--trace`` writes one
+Chrome/Perfetto trace with, per program, the simulated timeline beside one recorded step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from common import parser, report, seconds_per_call
 from torch.func import vjp
 
 import fpipe
-from fpipe.schedules import Costs, colocate, gpipe, one_f_one_b, simulate
+from fpipe.schedules import Costs, colocate, gpipe, one_f_one_b, simulate, write_chrome_trace
 
 
 def block(p, x):
@@ -51,6 +52,7 @@ def stage_costs(stage_params: list, x: torch.Tensor, repeat: int) -> Costs:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--trace", metavar="PATH", help="write simulated and measured timelines")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -68,7 +70,7 @@ def main() -> None:
         return torch.nn.functional.mse_loss(y, t)
 
     # A forward that will be recomputed runs without a graph: the cheaper ``plain`` cost.
-    rows = []
+    rows, timelines = [], {}
     for name, program, forward in (
         (f"GPipe(never), {k} workers", gpipe(chunks, remat="never").program(k), costs.forward),
         (f"GPipe(always), {k} workers", gpipe(chunks, remat="always").program(k), plain),
@@ -76,16 +78,24 @@ def main() -> None:
         ("GPipe(never), 1 worker", colocate(gpipe(chunks, remat="never").program(k), [0] * k),
          costs.forward),
     ):
-        predicted = simulate(program, Costs(forward=forward, backward=costs.backward,
-                                            recompute=costs.forward)).makespan
+        simulation = simulate(program, Costs(forward=forward, backward=costs.backward,
+                                             recompute=costs.forward))
+        predicted = simulation.makespan
+        recorder = fpipe.Recorder()
         with fpipe.pipeline([stage] * k, stage_params, schedule=program,
                             loss_fn=loss_fn) as pipe:
             measured = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
+            pipe.value_and_grad(x, target, record=recorder)
+        timelines[f"{name}: simulated"] = simulation
+        timelines[f"{name}: measured"] = recorder.timeline
         rows.append({"program": name, "predicted_ms": predicted * 1e3,
                      "measured_ms": measured * 1e3, "measured/predicted": measured / predicted})
     report(f"Simulated vs measured step time ({layers} blocks of width {width} in {k} stages, "
            f"batch {batch}, {chunks} micro-batches, 1 intra-op thread)",
            ["program", "predicted_ms", "measured_ms", "measured/predicted"], rows, args.json)
+    if args.trace:
+        write_chrome_trace(args.trace, timelines)
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
 
 
 if __name__ == "__main__":
