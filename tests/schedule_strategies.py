@@ -2,11 +2,24 @@
 
 from hypothesis import strategies as st
 
-from fpipe.schedules import Action, Op, Program, gpipe, one_f_one_b
+from fpipe.schedules import (
+    Action,
+    Op,
+    Program,
+    gpipe,
+    interleaved_one_f_one_b,
+    looped_bfs,
+    one_f_one_b,
+    zero_bubble,
+    zero_bubble_v,
+)
 from fpipe.schedules.remat import POLICIES
 from fpipe.schedules.validate import execution_order
 
+#: One stage per worker, stage k on worker k: ``make(chunks, remat)``.
 SCHEDULES = (gpipe, one_f_one_b)
+#: The research schedules, each with a stage count it accepts for a number of workers.
+RESEARCH = ("interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v")
 F, R, B, I, W = Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
 
 
@@ -43,14 +56,35 @@ def schedule_cases(draw, max_stages: int = 8, max_chunks: int = 16):
 
 
 @st.composite
+def research_cases(draw, max_workers: int = 8, max_chunks: int = 16, max_per_worker: int = 4):
+    """(schedule, n_stages) for a research schedule: K workers, and v stages per worker for the
+    looped ones (n_stages = K*v) or two for ZB-V (n_stages = 2K)."""
+    name = draw(st.sampled_from(RESEARCH))
+    n_workers = draw(st.integers(1, max_workers))
+    chunks = draw(st.integers(1, max_chunks))
+    if name in ("interleaved_one_f_one_b", "looped_bfs"):
+        per_worker = draw(st.integers(1, max_per_worker))
+        n_stages = n_workers * per_worker
+        make = interleaved_one_f_one_b if name == "interleaved_one_f_one_b" else looped_bfs
+        return make(chunks, per_worker, draw(remat_policies(n_stages))), n_stages
+    n_stages = n_workers * (2 if name == "zero_bubble_v" else 1)
+    make = zero_bubble_v if name == "zero_bubble_v" else zero_bubble
+    return make(chunks, draw(remat_policies(n_stages))), n_stages
+
+
+@st.composite
 def programs(draw, max_stages: int = 6, max_chunks: int = 6):
     """Any valid training program, not only the constructors' shapes.
 
-    A schedule's program is flattened to a global order, its backwards optionally split into
-    I and W (W right after I, or deferred to the end), and the order projected onto a random
-    placement of stages on workers: a projection of a global order cannot deadlock.
+    A schedule's program (research schedules included) is flattened to a global order, its
+    full backwards optionally split into I and W (W right after I, or deferred to the end), and
+    the order projected onto a random placement of stages on workers: a projection of a global
+    order cannot deadlock.
     """
-    schedule, n_stages = draw(schedule_cases(max_stages, max_chunks))
+    schedule, n_stages = draw(st.one_of(
+        schedule_cases(max_stages, max_chunks),
+        research_cases(max(1, max_stages // 2), max_chunks, max_per_worker=2),
+    ))
     program = schedule.program(n_stages)
     order = list(execution_order(program))
     if draw(st.booleans()):
