@@ -13,13 +13,26 @@ from fpipe.errors import BatchError, NonFiniteLossError, PlacementError, StageEr
 from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
 from fpipe.recompute import is_recomputing
-from fpipe.schedules import Action, Op, Program, ScheduleError, gpipe, one_f_one_b, validate
+from fpipe.schedules import (
+    Action,
+    Op,
+    Program,
+    ScheduleError,
+    gpipe,
+    interleaved_one_f_one_b,
+    looped_bfs,
+    one_f_one_b,
+    validate,
+    zero_bubble,
+    zero_bubble_v,
+)
 from fpipe.timeline import Recorder
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b", "Program",
+    "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",
+    "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
     "NonFiniteLossError", "amp", "checkpoint", "optim", "Recorder",
 ]

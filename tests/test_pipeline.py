@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import namedtuple
 
 import optree
@@ -22,31 +23,51 @@ from models import (
 )
 
 import fpipe
-from fpipe.schedules import Program, gpipe, one_f_one_b
+from fpipe.schedules import (
+    Program,
+    gpipe,
+    interleaved_one_f_one_b,
+    looped_bfs,
+    one_f_one_b,
+    zero_bubble,
+    zero_bubble_v,
+)
 
 remat_policies = st.one_of(
     st.sampled_from(["always", "except_last", "never"]),
-    st.frozensets(st.integers(0, 4), max_size=5),
+    st.frozensets(st.integers(0, 5), max_size=6),
 )
 
 
-@given(
-    n_stages=st.integers(1, 5),
-    chunks=st.integers(1, 6),
-    extra=st.integers(0, 7),
-    make=st.sampled_from([gpipe, one_f_one_b]),
-    remat=remat_policies,
-)
-def test_matches_whole_batch(n_stages, chunks, extra, make, remat):
+@st.composite
+def schedules(draw, chunks):
+    """(schedule, n_stages): a number of workers is drawn and the stage count follows from
+    the schedule's placement (v stages per worker in a loop, two in a V, else one)."""
+    make = draw(st.sampled_from([gpipe, one_f_one_b, zero_bubble, interleaved_one_f_one_b,
+                                 looped_bfs, zero_bubble_v]))
+    if make in (interleaved_one_f_one_b, looped_bfs):
+        per_worker = draw(st.integers(1, 3))
+        n_stages = draw(st.integers(1, 2)) * per_worker
+        make = functools.partial(make, stages_per_worker=per_worker)
+    elif make is zero_bubble_v:
+        n_stages = 2 * draw(st.integers(1, 3))
+    else:
+        n_stages = draw(st.integers(1, 5))
+    remat = draw(remat_policies)
     remat = remat if isinstance(remat, str) else frozenset(s for s in remat if s < n_stages)
+    return make(chunks=chunks, remat=remat), n_stages
+
+
+@given(chunks=st.integers(1, 6), extra=st.integers(0, 7), data=st.data())
+def test_matches_whole_batch(chunks, extra, data):
+    schedule, n_stages = data.draw(schedules(chunks))
     params = mlp_params(n_stages)
     stages = [block] * n_stages
     n = chunks + extra  # uneven splits and batch == chunks included
     x = torch.randn(n, 8, dtype=torch.float64)
     target = torch.randn(n, 8, dtype=torch.float64)
     expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
-    with fpipe.pipeline(stages, params, schedule=make(chunks=chunks, remat=remat),
-                        loss_fn=mse) as pipe:
+    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as pipe:
         loss, grads = pipe.value_and_grad(x, target)
         torch.testing.assert_close(loss, expected_loss, **TIGHT)
         assert_trees_close(grads, expected_grads)

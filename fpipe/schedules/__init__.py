@@ -10,16 +10,25 @@ from fpipe.schedules.actions import Action, Op, Program, program_of
 from fpipe.schedules.colocate import colocate
 from fpipe.schedules.csv_format import from_csv, to_csv
 from fpipe.schedules.gpipe import GPipe, gpipe
+from fpipe.schedules.interleaved import (
+    InterleavedOneFOneB,
+    LoopedBFS,
+    interleaved_one_f_one_b,
+    looped_bfs,
+)
 from fpipe.schedules.one_f_one_b import OneFOneB, one_f_one_b
 from fpipe.schedules.remat import apply_remat, normalize_remat
 from fpipe.schedules.render import draw, listing, render
 from fpipe.schedules.simulate import Costs, Simulation, Span, in_flight, simulate
 from fpipe.schedules.trace import chrome_trace, write_chrome_trace
 from fpipe.schedules.validate import ScheduleError, validate
+from fpipe.schedules.zero_bubble import ZeroBubble, ZeroBubbleV, zero_bubble, zero_bubble_v
 
 __all__ = [
     "Action", "Op", "Program", "ScheduleError", "validate", "gpipe", "one_f_one_b", "GPipe",
     "OneFOneB", "Costs", "simulate", "Simulation", "Span", "apply_remat", "normalize_remat",
     "in_flight", "colocate", "program_of", "to_csv", "from_csv", "render", "draw", "listing",
-    "chrome_trace", "write_chrome_trace",
+    "chrome_trace", "write_chrome_trace", "interleaved_one_f_one_b", "looped_bfs",
+    "zero_bubble", "zero_bubble_v", "InterleavedOneFOneB", "LoopedBFS", "ZeroBubble",
+    "ZeroBubbleV",
 ]
