@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from models import block, mlp_params, mse
 
+import fpipe
 import fpipe.distributed as fdist
 from fpipe.schedules import Program
 from fpipe.stages import skippable
@@ -133,16 +134,21 @@ def cases(world: int) -> list[tuple]:
             ("pytree-seqlen", [embed, readout], fdist_schedule("1f1b", 2),
              [tree_batch(6, 5, seed=5), tree_batch(5, 9, seed=6)]),
             ("interleaved", [block] * 4, interleaved_program(), [data(6, 8, seed=7)]),
+            ("zero-bubble-v", [block] * 4, fdist_schedule("zbv", 3), [data(7, 8, seed=9)]),
         ]
     else:
-        result.append(("skip", [skip_encode, block, block, skip_decode],
-                       fdist_schedule("1f1b", 3), [data(9, 8, seed=8)]))
+        result += [
+            ("skip", [skip_encode, block, block, skip_decode], fdist_schedule("1f1b", 3),
+             [data(9, 8, seed=8)]),
+            ("zero-bubble", mlp, fdist_schedule("zb", 5), [data(10, 8, seed=10)]),
+        ]
     return result
 
 
 def fdist_schedule(name: str, chunks: int):
-    from fpipe.schedules import gpipe, one_f_one_b
-    return gpipe(chunks=chunks) if name == "gpipe" else one_f_one_b(chunks=chunks)
+    from fpipe.schedules import gpipe, one_f_one_b, zero_bubble, zero_bubble_v
+    makes = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble, "zbv": zero_bubble_v}
+    return makes[name](chunks)
 
 
 def full_params(name: str, n_stages: int) -> list:
@@ -163,12 +169,16 @@ def parity(rank: int, world: int) -> dict:
         first = pipe.program.placement[0]
         last = pipe.program.placement[-1]
         results = []
+        recorder = fpipe.Recorder()
         for x, target in steps:
             loss, grads = pipe.value_and_grad(x if rank == first else None,
-                                              target if rank == last else None)
+                                              target if rank == last else None,
+                                              record=recorder)
             y = pipe(x if rank == first else None)
             results.append((loss, grads, y))
         out[name] = results
+        out[f"{name}: recorded"] = [[str(span.action) for span in spans]
+                                    for spans in recorder.timeline]
     return out
 
 

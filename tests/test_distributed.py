@@ -24,7 +24,12 @@ def test_matches_local_driver_and_whole_batch(world):
         assert "crash" not in rank_result, rank_result.get("crash")
     for name, stages, schedule, steps in cases(world):
         params = full_params(name, len(stages))
-        placement = schedule.program(len(stages)).placement
+        program = schedule.program(len(stages))
+        placement = program.placement
+        for rank, rank_result in enumerate(results):  # each rank records its own worker only
+            assert rank_result[f"{name}: recorded"] == [
+                [str(a) for a in actions] if worker == rank else []
+                for worker, actions in enumerate(program.workers)]
         with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as local:
             for i, (x, target) in enumerate(steps):
                 expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
