@@ -2,8 +2,9 @@
 
     python benchmarks/simulated_vs_measured.py [--quick] [--json PATH] [--trace PATH]
 
-Each stage's forward (with its vjp built, as a kept forward is), backward, and forward without
-a graph (a forward that will be recomputed) are timed alone on one thread, per micro-batch.
+Each stage's forward (with its vjp built, as a kept forward is), backward, its split backward's
+two halves, and forward without a graph (a forward that will be recomputed) are timed alone on
+one thread, per micro-batch.
 ``fpipe.schedules.simulate`` turns those costs into a predicted step time for each program,
 which is then run for real with one worker thread per stage (one intra-op thread each).
 A ratio near 1 means the cost model explains the step; above 1, the driver (hand-offs,
@@ -14,13 +15,25 @@ Chrome/Perfetto trace with, per program, the simulated timeline beside one recor
 from __future__ import annotations
 
 import os
+import time
 
+import optree
 import torch
 from common import parser, report, seconds_per_call
 from torch.func import vjp
 
 import fpipe
-from fpipe.schedules import Costs, colocate, gpipe, one_f_one_b, simulate, write_chrome_trace
+from fpipe.schedules import (
+    Costs,
+    colocate,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    simulate,
+    write_chrome_trace,
+    zero_bubble,
+)
+from fpipe.split_backward import split_vjp
 
 
 def block(p, x):
@@ -33,20 +46,35 @@ def stage(ps, h):
     return h
 
 
-def stage_costs(stage_params: list, x: torch.Tensor, repeat: int) -> Costs:
-    """Per stage: kept forward (vjp built), backward, and forward without a graph."""
-    forward, backward, plain = [], [], []
+def stage_costs(stage_params: list, x: torch.Tensor, repeat: int) -> tuple[Costs, tuple]:
+    """Per stage: kept forward (vjp built), backward, the split backward's halves, and forward
+    without a graph (the cost of a forward that will be recomputed)."""
+    forward, backward, inputs, weights, plain = [], [], [], [], []
     for ps in stage_params:
         out, vjp_fn = vjp(stage, ps, x)
         ones = torch.ones_like(out)
         forward.append(seconds_per_call(lambda ps=ps, x=x: vjp(stage, ps, x), repeat))
         backward.append(seconds_per_call(lambda f=vjp_fn, g=ones: f(g), repeat))
+
+        def halves(ps=ps, x=x, g=ones) -> tuple[float, float]:
+            leaves, spec = optree.tree_flatten(ps)
+            _, split = split_vjp(lambda p, h: [stage(optree.tree_unflatten(spec, p), h[0])],
+                                 leaves, [x])
+            started = time.perf_counter()
+            split.input_grads([g])
+            middle = time.perf_counter()
+            split.weight_grads()
+            return middle - started, time.perf_counter() - middle
+
+        measured = sorted(halves() for _ in range(repeat))
+        inputs.append(measured[len(measured) // 2][0])
+        weights.append(measured[len(measured) // 2][1])
         with torch.no_grad():
             plain.append(seconds_per_call(lambda ps=ps, x=x: stage(ps, x), repeat))
         x = out.detach()
-    # A dropped forward costs ``plain``; its recompute rebuilds the vjp (``forward``).
-    return Costs(forward=tuple(forward), backward=tuple(backward), recompute=tuple(forward)), \
-        tuple(plain)
+    costs = Costs(forward=tuple(forward), backward=tuple(backward), recompute=tuple(forward),
+                  backward_input=tuple(inputs), backward_weight=tuple(weights))
+    return costs, tuple(plain)
 
 
 def main() -> None:
@@ -61,29 +89,37 @@ def main() -> None:
     k = args.workers
     params = [{"w": torch.randn(width, width) / width ** 0.5,
                "v": torch.randn(width, width) / width ** 0.5} for _ in range(layers)]
-    per = layers // k
-    stage_params = [params[i * per:(i + 1) * per] for i in range(k)]
     x, target = torch.randn(batch, width), torch.randn(batch, width)
-    costs, plain = stage_costs(stage_params, x[: batch // chunks], repeat)
+    micro = x[: batch // chunks]
+
+    def split(n_stages: int) -> list:
+        per = layers // n_stages
+        return [params[i * per:(i + 1) * per] for i in range(n_stages)]
+
+    costs, plain = stage_costs(split(k), micro, repeat)
+    costs_2k, _ = stage_costs(split(2 * k), micro, repeat)
 
     def loss_fn(y, t):
         return torch.nn.functional.mse_loss(y, t)
 
     # A forward that will be recomputed runs without a graph: the cheaper ``plain`` cost.
     rows, timelines = [], {}
-    for name, program, forward in (
-        (f"GPipe(never), {k} workers", gpipe(chunks, remat="never").program(k), costs.forward),
-        (f"GPipe(always), {k} workers", gpipe(chunks, remat="always").program(k), plain),
-        (f"1F1B, {k} workers", one_f_one_b(chunks).program(k), costs.forward),
+    for name, program, program_costs in (
+        (f"GPipe(never), {k} workers", gpipe(chunks, remat="never").program(k), costs),
+        (f"GPipe(always), {k} workers", gpipe(chunks, remat="always").program(k),
+         Costs(forward=plain, backward=costs.backward, recompute=costs.forward)),
+        (f"1F1B, {k} workers", one_f_one_b(chunks).program(k), costs),
+        (f"ZB-H1, {k} workers", zero_bubble(chunks).program(k), costs),
+        (f"interleaved 1F1B, {k} workers x 2 stages",
+         interleaved_one_f_one_b(chunks, 2).program(2 * k), costs_2k),
         ("GPipe(never), 1 worker", colocate(gpipe(chunks, remat="never").program(k), [0] * k),
-         costs.forward),
+         costs),
     ):
-        simulation = simulate(program, Costs(forward=forward, backward=costs.backward,
-                                             recompute=costs.forward))
+        simulation = simulate(program, program_costs)
         predicted = simulation.makespan
         recorder = fpipe.Recorder()
-        with fpipe.pipeline([stage] * k, stage_params, schedule=program,
-                            loss_fn=loss_fn) as pipe:
+        with fpipe.pipeline([stage] * program.n_stages, split(program.n_stages),
+                            schedule=program, loss_fn=loss_fn) as pipe:
             measured = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
             pipe.value_and_grad(x, target, record=recorder)
         timelines[f"{name}: simulated"] = simulation
