@@ -14,7 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 @pytest.mark.parametrize("script", ["dispatch_overhead.py", "cpu_scaling.py",
                                     "simulated_vs_measured.py", "memory.py",
-                                    "split_backward.py"])
+                                    "split_backward.py", "resnet101.py"])
 def test_quick_mode_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],
