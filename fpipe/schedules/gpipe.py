@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fpipe.schedules.actions import Action, B, F, Program, positive_int
-from fpipe.schedules.remat import RematPolicy, apply_remat, normalize_remat
+from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,7 @@ class GPipe:
     remat: RematPolicy = "except_last"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", positive_int("chunks", self.chunks))
-        object.__setattr__(self, "remat", normalize_remat(self.remat))
+        check_fields(self)
 
     def program(self, n_stages: int) -> Program:
         """Worker k holds stage k: all forwards, then all backwards, in micro-batch order.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fpipe.schedules.actions import Action, B, F, Program, positive_int
-from fpipe.schedules.remat import RematPolicy, apply_remat, normalize_remat
+from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 __all__ = ["InterleavedOneFOneB", "LoopedBFS", "interleaved_one_f_one_b", "looped_bfs"]
 
@@ -62,10 +62,7 @@ class InterleavedOneFOneB:
     remat: RematPolicy = "never"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", positive_int("chunks", self.chunks))
-        object.__setattr__(self, "stages_per_worker",
-                           positive_int("stages_per_worker", self.stages_per_worker))
-        object.__setattr__(self, "remat", normalize_remat(self.remat))
+        check_fields(self, "stages_per_worker")
 
     def program(self, n_stages: int) -> Program:
         """Worker w of K = n_stages/v holds stages w, w+K, ...; it runs its forwards in rounds
@@ -124,10 +121,7 @@ class LoopedBFS:
     remat: RematPolicy = "never"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", positive_int("chunks", self.chunks))
-        object.__setattr__(self, "stages_per_worker",
-                           positive_int("stages_per_worker", self.stages_per_worker))
-        object.__setattr__(self, "remat", normalize_remat(self.remat))
+        check_fields(self, "stages_per_worker")
 
     def program(self, n_stages: int) -> Program:
         """Worker w of K holds stages w, w+K, ...: every forward of its first stage, then of

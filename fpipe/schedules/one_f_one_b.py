@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fpipe.schedules.actions import Action, B, F, Program, positive_int
-from fpipe.schedules.remat import RematPolicy, apply_remat, normalize_remat
+from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,7 @@ class OneFOneB:
     remat: RematPolicy = "never"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", positive_int("chunks", self.chunks))
-        object.__setattr__(self, "remat", normalize_remat(self.remat))
+        check_fields(self)
 
     def program(self, n_stages: int) -> Program:
         """Worker k holds stage k: K-k-1 warm-up forwards, then one forward and one backward

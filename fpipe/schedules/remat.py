@@ -7,7 +7,7 @@ rather than leaving it to a driver flag, lets memory and time be counted before 
 
 from __future__ import annotations
 
-from fpipe.schedules.actions import Action, B, I, Program, R
+from fpipe.schedules.actions import Action, B, I, Program, R, positive_int
 
 #: A normalised policy: one of :data:`POLICIES`, or the frozenset of stages to recompute.
 RematPolicy = str | frozenset[int]
@@ -86,3 +86,11 @@ def recomputed(program: Program) -> frozenset[tuple[int, int]]:
     return frozenset(
         (a.stage, a.microbatch) for actions in program.workers for a in actions if a.op is R
     )
+
+
+def check_fields(schedule: object, *counts: str) -> None:
+    """Check a schedule value's ``chunks`` and other ``counts`` (positive integers) and
+    normalise its ``remat`` policy, in place: for the frozen dataclasses' ``__post_init__``."""
+    for name in ("chunks", *counts):
+        object.__setattr__(schedule, name, positive_int(name, getattr(schedule, name)))
+    object.__setattr__(schedule, "remat", normalize_remat(schedule.remat))

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from fpipe.schedules.actions import Action, F, I, Program, W, positive_int
-from fpipe.schedules.remat import RematPolicy, apply_remat, normalize_remat
+from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 __all__ = ["ZeroBubble", "ZeroBubbleV", "zero_bubble", "zero_bubble_v"]
 
@@ -34,8 +34,7 @@ class ZeroBubble:
     remat: RematPolicy = "never"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", positive_int("chunks", self.chunks))
-        object.__setattr__(self, "remat", normalize_remat(self.remat))
+        check_fields(self)
 
     def program(self, n_stages: int) -> Program:
         """Worker w of K holds stage w. Its forwards and input gradients are in 1F1B's places
@@ -83,8 +82,7 @@ class ZeroBubbleV:
     remat: RematPolicy = "never"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunks", positive_int("chunks", self.chunks))
-        object.__setattr__(self, "remat", normalize_remat(self.remat))
+        check_fields(self)
 
     def program(self, n_stages: int) -> Program:
         """Each worker's order is the one it follows when all of them run in unit steps (F, I
