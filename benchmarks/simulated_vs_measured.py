@@ -20,6 +20,7 @@ import time
 import optree
 import torch
 from common import parser, report, seconds_per_call
+from residual import stage
 from torch.func import vjp
 
 import fpipe
@@ -34,16 +35,6 @@ from fpipe.schedules import (
     zero_bubble,
 )
 from fpipe.split_backward import split_vjp
-
-
-def block(p, x):
-    return x + torch.tanh(x @ p["w"]) @ p["v"]
-
-
-def stage(ps, h):
-    for q in ps:
-        h = block(q, h)
-    return h
 
 
 def stage_costs(stage_params: list, x: torch.Tensor, repeat: int) -> tuple[Costs, tuple]:
