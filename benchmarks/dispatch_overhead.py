@@ -3,11 +3,13 @@
     python benchmarks/dispatch_overhead.py [--quick] [--json PATH]
 
 16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches, one worker thread per stage
-(and, to isolate the threads' cost, all stages on one worker), and the same layers as an
+(and, to isolate the threads' cost, all stages on one worker; and with ``autodiff="autograd"``),
+and the same layers as an
 ``nn.Sequential`` under ``fpipe.GPipe`` and, when it is installed, torchgpipe (both with
 checkpoint="never", so every action is one forward or one backward). The time of a plain
-(unpipelined) ``torch.func`` loop over the same micro-batches is subtracted, so what remains is
-what the pipeline adds, divided by the number of actions of the program.
+(unpipelined) loop over the same micro-batches, differentiated the same way (``torch.func`` or
+``torch.autograd``), is subtracted, so what remains is what the pipeline adds, divided by the
+number of actions of the program.
 """
 
 from __future__ import annotations
@@ -76,20 +78,37 @@ def main() -> None:
         return [grad_and_value(loss)(ps, xm, tm)
                 for xm, tm in zip(x.tensor_split(chunks), target.tensor_split(chunks))]
 
+    def plain_autograd(ps, chunks):
+        leaves = [{k: v.detach().requires_grad_() for k, v in p.items()} for p in ps]
+        flat = [v for p in leaves for v in p.values()]
+        for xm, tm in zip(x.tensor_split(chunks), target.tensor_split(chunks)):
+            h = xm
+            for p in leaves:
+                h = stage(p, h)
+            torch.autograd.grad(loss_fn(h, tm), flat)
+
     repeat = 5 if args.quick else 20
     rows = []
     for chunks in ([8, 32] if args.quick else [8, 16, 32, 64]):
-        baseline = seconds_per_call(lambda chunks=chunks: plain(params, chunks), repeat)
-        for name, schedule in (("GPipe", gpipe(chunks=chunks, remat="never")),
-                               ("1F1B", one_f_one_b(chunks=chunks)),
-                               ("GPipe, 1 worker", one_worker(n_stages, chunks))):
+        func_loop = seconds_per_call(lambda chunks=chunks: plain(params, chunks), repeat)
+        autograd_loop = seconds_per_call(lambda chunks=chunks: plain_autograd(params, chunks),
+                                         repeat)
+        # Each row's overhead is against the plain loop that differentiates the same way.
+        for name, schedule, autodiff, baseline in (
+                ("GPipe", gpipe(chunks=chunks, remat="never"), "func", func_loop),
+                ("1F1B", one_f_one_b(chunks=chunks), "func", func_loop),
+                ("GPipe, 1 worker", one_worker(n_stages, chunks), "func", func_loop),
+                ("1F1B, autograd", one_f_one_b(chunks=chunks), "autograd", autograd_loop),
+                ("GPipe, 1 worker, autograd", one_worker(n_stages, chunks), "autograd",
+                 autograd_loop)):
             with fpipe.pipeline([stage] * n_stages, params, schedule=schedule,
-                                loss_fn=loss_fn) as pipe:
+                                loss_fn=loss_fn, autodiff=autodiff) as pipe:
                 t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
                 actions = sum(len(w) for w in pipe.program.workers)
             rows.append({"schedule": name, "chunks": chunks, "actions": actions,
                          "step_ms": t * 1e3, "plain_ms": baseline * 1e3,
                          "us_per_action": (t - baseline) / actions * 1e6})
+        baseline = autograd_loop  # the module faces differentiate with autograd
         # The torchgpipe-style module faces, fpipe's and (when installed) torchgpipe's own,
         # on the same layers: one (stage, micro-batch) forward and backward each.
         for name, wrap in module_faces():

@@ -60,7 +60,8 @@ class StageCall:
 
     def __init__(self, fn: Callable, param_spec: optree.PyTreeSpec, grad_input: bool,
                  loss_fn: Callable | None = None, stateful: bool = False,
-                 pops: tuple[str, ...] = (), stashes: tuple[str, ...] = ()) -> None:
+                 pops: tuple[str, ...] = (), stashes: tuple[str, ...] = (),
+                 autodiff: str = "func") -> None:
         self.fn = fn
         self.param_spec = param_spec
         self.grad_input = grad_input
@@ -68,9 +69,10 @@ class StageCall:
         self.stateful = stateful
         self.pops = pops
         self.stashes = stashes
-        # A compiled stage is differentiated by torch.autograd (see fpipe.compiled).
+        # A compiled stage is differentiated by torch.autograd (see fpipe.compiled), and so is
+        # every stage with autodiff="autograd": the same vjp, without functorch's per-op cost.
         self.compiled = is_compiled(fn)
-        self._vjp = autograd_vjp if self.compiled else vjp
+        self._vjp = autograd_vjp if self.compiled or autodiff == "autograd" else vjp
 
     def forward(self, params: list, x: Value, state: Any = None, popped: tuple = (),
                 target: Any = None, weight: float = 1.0) -> tuple[Any, Any]:

@@ -84,8 +84,8 @@ def my_stages(schedule: Any, n_stages: int, rank: int | None = None) -> tuple[in
 
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
              loss_fn: Callable | None = None, device: torch.device | str | None = None,
-             timeout: float = 60.0,
-             state: Mapping[int, Any] | None = None) -> DistributedPipeline:
+             timeout: float = 60.0, state: Mapping[int, Any] | None = None,
+             autodiff: str = "func") -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
     ``schedule`` and ``loss_fn``.
 
@@ -99,9 +99,10 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
         state: ``{stage: pytree}`` of this rank's stages' state, as ``state=`` of
             :func:`fpipe.pipeline`: every stage is then ``stage(params, state, x) ->
             (y, new_state)``, and calls also return this rank's new ``{stage: state}``.
+        autodiff: ``"func"`` or ``"autograd"``, as for :func:`fpipe.pipeline`.
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
-                               device=device, timeout=timeout, state=state)
+                               device=device, timeout=timeout, state=state, autodiff=autodiff)
 
 
 class DistributedPipeline:
@@ -116,7 +117,10 @@ class DistributedPipeline:
 
     def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
-                 timeout: float = 60.0, state: Mapping[int, Any] | None = None) -> None:
+                 timeout: float = 60.0, state: Mapping[int, Any] | None = None,
+                 autodiff: str = "func") -> None:
+        if autodiff not in ("func", "autograd"):
+            raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
@@ -150,7 +154,8 @@ class DistributedPipeline:
             check_state(self.state, {s: self.device for s in self.stages_held})
         self.interpreter = Interpreter(
             stages, [self.param_specs.get(s) for s in range(len(stages))],
-            [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful)
+            [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
+            autodiff=autodiff)
         backend = backend_for(self.device)
         self.wire = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")

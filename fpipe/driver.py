@@ -180,7 +180,7 @@ class Interpreter:
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
                  devices: Sequence[torch.device], loss_fn: Callable | None,
                  transport: Transport, stateful: bool = False,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
         n = len(stages)
         self.grad_dtype = grad_dtype
         self.devices = list(devices)
@@ -191,7 +191,7 @@ class Interpreter:
             return [None if spec is None else
                     StageCall(fn, spec, grad_input=grad_input(s),
                               loss_fn=loss if s == n - 1 else None, stateful=stateful,
-                              pops=pops(fn), stashes=stashes(fn))
+                              pops=pops(fn), stashes=stashes(fn), autodiff=autodiff)
                     for s, (fn, spec) in enumerate(zip(stages, param_specs))]
 
         self.inference_calls = calls(lambda s: False, None)
@@ -373,12 +373,12 @@ class LocalDriver:
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
                  devices: Sequence[torch.device], n_workers: int,
                  loss_fn: Callable | None, stateful: bool = False,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
         self.devices = list(devices)
         self.stateful = stateful
         self.transport = Transport(self.devices)
         self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
-                                       self.transport, stateful, grad_dtype)
+                                       self.transport, stateful, grad_dtype, autodiff)
         self.pool = WorkerPool(n_workers)
         self._compiled: dict[tuple[Program, bool], tuple] = {}
 

@@ -30,7 +30,7 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
              state: Sequence[Any] | None = None, nonfinite: str = "raise",
-             grad_dtype: torch.dtype | None = None) -> Pipeline:
+             grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -55,9 +55,13 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             returns the loss as it is, for callers that check it themselves (loss scaling).
         grad_dtype: the dtype gradients are accumulated and returned in, e.g. ``torch.float32``
             for ``bfloat16`` parameters (see :mod:`fpipe.amp`); by default the parameters'.
+        autodiff: how each stage's vjp is taken: ``"func"`` (the default), with
+            ``torch.func.vjp``, or ``"autograd"``, the same vjp through ``torch.autograd``,
+            which skips functorch's per-op wrapping and so halves the driver's cost per action
+            on small stages (``benchmarks/dispatch_overhead.py``). Gradients are the same.
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
-                    state=state, nonfinite=nonfinite, grad_dtype=grad_dtype)
+                    state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff)
 
 
 class Pipeline:
@@ -80,7 +84,7 @@ class Pipeline:
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
                  state: Sequence[Any] | None = None, nonfinite: str = "raise",
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
@@ -99,6 +103,8 @@ class Pipeline:
                              f"one per stage (an empty dict for a stage without state)")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if autodiff not in ("func", "autograd"):
+            raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         if nonfinite not in ("raise", "ignore"):
             raise ValueError(f"nonfinite must be 'raise' or 'ignore', got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -122,7 +128,7 @@ class Pipeline:
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
                                    program.n_workers, loss_fn, stateful=self.stateful,
-                                   grad_dtype=grad_dtype)
+                                   grad_dtype=grad_dtype, autodiff=autodiff)
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
 

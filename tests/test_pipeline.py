@@ -67,7 +67,9 @@ def test_matches_whole_batch(chunks, extra, data):
     x = torch.randn(n, 8, dtype=torch.float64)
     target = torch.randn(n, 8, dtype=torch.float64)
     expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
-    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as pipe:
+    autodiff = data.draw(st.sampled_from(["func", "autograd"]))
+    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse,
+                        autodiff=autodiff) as pipe:
         loss, grads = pipe.value_and_grad(x, target)
         torch.testing.assert_close(loss, expected_loss, **TIGHT)
         assert_trees_close(grads, expected_grads)
@@ -321,3 +323,25 @@ def test_a_plain_function_is_a_schedule():
     assert_trees_close(grads, want_grads)
     with pytest.raises(TypeError, match=r"<lambda>\(2\) must return a Program for 2 stages"):
         fpipe.pipeline([block] * 2, params[:2], schedule=lambda n: fill_drain(3), loss_fn=mse)
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_autograd_vjp_draws_the_same_dropout_and_gives_the_same_gradients(remat):
+    def noisy(p, x):
+        return F.dropout(block(p, x), 0.3, training=True)
+
+    x = torch.randn(8, 8, dtype=torch.float64)
+    results = []
+    for autodiff in ("func", "autograd"):
+        torch.manual_seed(7)
+        with fpipe.pipeline([noisy] * 3, mlp_params(3), schedule=gpipe(4, remat=remat),
+                            loss_fn=mse, autodiff=autodiff) as pipe:
+            results.append(pipe.value_and_grad(x, x))
+    (loss_func, grads_func), (loss_autograd, grads_autograd) = results
+    torch.testing.assert_close(loss_autograd, loss_func, **TIGHT)
+    assert_trees_close(grads_autograd, grads_func)
+
+
+def test_unknown_autodiff_is_an_error():
+    with pytest.raises(ValueError, match="autodiff must be 'func' or 'autograd'"):
+        fpipe.pipeline([block], mlp_params(1), schedule=gpipe(1), autodiff="jax")
