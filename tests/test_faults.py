@@ -14,7 +14,7 @@ from models import block, mlp_params, mse
 
 import fpipe
 from fpipe import NonFiniteLossError, StageError
-from fpipe.schedules import gpipe, one_f_one_b
+from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
 
 
 class FailsInBackward(torch.autograd.Function):
@@ -41,17 +41,31 @@ def faulty(n_stages, fault, armed):
                 raise RuntimeError("boom in forward")
             if here and fault[2] == "recompute" and fpipe.is_recomputing():
                 raise RuntimeError("boom in recompute")
-            y = x + 0 * p["w"].sum()
+            w = FailsInBackward.apply(p["w"]) if here and fault[2] == "weight" else p["w"]
+            y = x + 0 * w.sum()
             return FailsInBackward.apply(y) if here and fault[2] == "backward" else y
         return stage
 
     return [make(s) for s in range(n_stages)]
 
 
+def expected_op(op, make, stage):
+    """The action a fault surfaces in: under a split backward, a fault on the input path is
+    in I (stage 0 has no input gradient, so its whole backward is W), one on a weight's branch
+    in W."""
+    if op in ("forward", "recompute"):
+        return op
+    if make is not zero_bubble:
+        return "backward"
+    if op == "backward" and stage > 0:
+        return "input-gradient backward"
+    return "weight-gradient backward"
+
+
 @settings(max_examples=25)
 @given(data=st.data(), n_stages=st.integers(1, 4), chunks=st.integers(1, 4),
-       make=st.sampled_from([gpipe, one_f_one_b]),
-       op=st.sampled_from(["forward", "recompute", "backward"]))
+       make=st.sampled_from([gpipe, one_f_one_b, zero_bubble]),
+       op=st.sampled_from(["forward", "recompute", "backward", "weight"]))
 def test_a_fault_anywhere_is_named_and_the_pipeline_recovers(data, n_stages, chunks, make, op):
     stage = data.draw(st.integers(0, n_stages - 1))
     microbatch = data.draw(st.integers(0, chunks - 1))
@@ -66,8 +80,9 @@ def test_a_fault_anywhere_is_named_and_the_pipeline_recovers(data, n_stages, chu
             with pytest.raises(StageError) as info:
                 pipe.value_and_grad(x, target)
             error = info.value
-            assert (error.stage, error.microbatch, error.op) == (stage, microbatch, op)
-            assert f"boom in {op}" in str(error.__cause__)
+            assert (error.stage, error.microbatch, error.op) == \
+                (stage, microbatch, expected_op(op, make, stage))
+            assert f"boom in {'backward' if op == 'weight' else op}" in str(error.__cause__)
         armed["on"] = False
         loss, _ = pipe.value_and_grad(x, target)  # the same pipeline runs the next step
         torch.testing.assert_close(loss, mse(x, target))
