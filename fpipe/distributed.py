@@ -119,8 +119,6 @@ class DistributedPipeline:
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, state: Mapping[int, Any] | None = None,
                  autodiff: str = "func") -> None:
-        if autodiff not in ("func", "autograd"):
-            raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")

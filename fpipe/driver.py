@@ -13,6 +13,7 @@ a :class:`Channel`; :mod:`fpipe.distributed` runs the same interpreter with a ch
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -25,7 +26,7 @@ from fpipe.autodiff import StageCall, Value
 from fpipe.errors import StageError
 from fpipe.recompute import recomputing
 from fpipe.rng import RandomStages, StepSeed
-from fpipe.schedules.actions import Op, Program
+from fpipe.schedules.actions import Action, Op, Program
 from fpipe.schedules.validate import validate
 from fpipe.split_backward import SplitVJP
 from fpipe.stages.skip import pops, skip_routes, stashes
@@ -42,6 +43,9 @@ __all__ = ["LocalDriver", "TrainResult", "Interpreter", "Step", "Channel", "comp
  _BACKWARD_WEIGHT) = range(8)
 _OP_NAMES = ("forward", "forward", "forward", "recompute", "recompute", "backward",
              "input-gradient backward", "weight-gradient backward")
+_OPS = (Op.FORWARD, Op.FORWARD, Op.FORWARD, Op.RECOMPUTE, Op.RECOMPUTE, Op.BACKWARD,
+        Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+_UNTIMED = contextlib.nullcontext()
 
 
 def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
@@ -181,6 +185,8 @@ class Interpreter:
                  devices: Sequence[torch.device], loss_fn: Callable | None,
                  transport: Transport, stateful: bool = False,
                  grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
+        if autodiff not in ("func", "autograd"):
+            raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         n = len(stages)
         self.grad_dtype = grad_dtype
         self.devices = list(devices)
@@ -231,8 +237,8 @@ class Interpreter:
                     weight = step.weights[microbatch]
                     state = step.state[stage]
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 step.training):
-                        began = clock.now(device) if clock else None
+                                                                 step.training), \
+                            _timed(clock, code, stage, microbatch, device):
                         if code != _DROPPED:
                             outs, step.state[stage], vjp_fn = call.forward_vjp(
                                 step.params[stage], x, state, popped, target, weight,
@@ -241,8 +247,6 @@ class Interpreter:
                         else:
                             outs, step.state[stage] = call.forward(
                                 step.params[stage], x, state, popped, target, weight)
-                        if clock:
-                            clock.add(code, stage, microbatch, device, began)
                     if code == _DROPPED and step.training:
                         step.saved[key] = (x, state, popped)
                     if stage == last:
@@ -261,21 +265,17 @@ class Interpreter:
                     # The inputs and state the forward saw, again; the new state is dropped.
                     x, state, popped = step.saved.pop(key)
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 True), recomputing():
-                        began = clock.now(device) if clock else None
+                                                                 True), recomputing(), \
+                            _timed(clock, code, stage, microbatch, device):
                         *_, vjp_fn = call.forward_vjp(
                             step.params[stage], x, state, popped,
                             step.targets[microbatch] if step.targets is not None else None,
                             step.weights[microbatch], split=code == _RECOMPUTE_SPLIT)
-                        if clock:
-                            clock.add(code, stage, microbatch, device, began)
                     step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
                 elif code == _BACKWARD_WEIGHT:
-                    with transport.compute(device):
-                        began = clock.now(device) if clock else None
+                    with transport.compute(device), _timed(clock, code, stage, microbatch,
+                                                           device):
                         grads = step.pending_weights.pop(key).weight_grads()
-                        if clock:
-                            clock.add(code, stage, microbatch, device, began)
                     self.accumulate(step, stage, grads)
                 else:
                     if stage == last and step.open_ended:
@@ -287,14 +287,12 @@ class Interpreter:
                     for name in call.stashes:
                         cotangent += channel.receive(("t", name, microbatch), device)
                     vjp_fn, counts = step.vjps.pop(key)
-                    with transport.compute(device):
-                        began = clock.now(device) if clock else None
+                    with transport.compute(device), _timed(clock, code, stage, microbatch,
+                                                           device):
                         if code == _BACKWARD:
                             param_grads, input_grads = vjp_fn(cotangent)
                         else:
                             input_grads = vjp_fn.input_grads(cotangent)
-                        if clock:
-                            clock.add(code, stage, microbatch, device, began)
                     if code == _BACKWARD:
                         self.accumulate(step, stage, param_grads)
                     else:
@@ -485,6 +483,14 @@ def _forwards(actions: tuple) -> tuple:
 
 def _after_forwards(actions: tuple) -> tuple:
     return actions[len(_forwards(actions)):]
+
+
+def _timed(clock: StepClock | None, code: int, stage: int, microbatch: int,
+           device: torch.device) -> contextlib.AbstractContextManager:
+    """The span of one action for a Recorder, or nothing when the step is not recorded."""
+    if clock is None:
+        return _UNTIMED
+    return clock.span(Action(stage, _OPS[code], microbatch), device)
 
 
 def _check_output(out: Value, size: int, what: str) -> None:

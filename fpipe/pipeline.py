@@ -103,8 +103,6 @@ class Pipeline:
                              f"one per stage (an empty dict for a stage without state)")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if autodiff not in ("func", "autograd"):
-            raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         if nonfinite not in ("raise", "ignore"):
             raise ValueError(f"nonfinite must be 'raise' or 'ignore', got {nonfinite!r}")
         self.nonfinite = nonfinite

@@ -13,14 +13,10 @@ from typing import Any
 
 import torch
 
-from fpipe.schedules.actions import Action, Op
+from fpipe.schedules.actions import Action
 from fpipe.schedules.simulate import Span
 
 __all__ = ["Recorder"]
-
-#: The op of each compiled action code (see fpipe.driver).
-OPS = (Op.FORWARD, Op.FORWARD, Op.FORWARD, Op.RECOMPUTE, Op.RECOMPUTE, Op.BACKWARD,
-       Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 
 
 class Recorder:
@@ -68,10 +64,9 @@ class StepClock:
         """A mark on ``device``'s current stream (CUDA) or the host clock."""
         return _event(device) if device in self.cuda else time.perf_counter()
 
-    def add(self, code: int, stage: int, microbatch: int, device: torch.device,
-            start: Any) -> None:
-        self.marks[self.placement[stage]].append(
-            (Action(stage, OPS[code], microbatch), device, start, self.now(device)))
+    def span(self, action: Action, device: torch.device) -> _Span:
+        """A context that marks ``action``'s start and, if it ends without an error, its end."""
+        return _Span(self, action, device)
 
     def finish(self) -> None:
         """Resolve the marks (waiting for CUDA events) and hand the timeline to the recorder."""
@@ -85,6 +80,22 @@ class StepClock:
             tuple(Span(action, seconds(device, start), seconds(device, end))
                   for action, device, start, end in marks)
             for marks in self.marks))
+
+
+class _Span:
+    __slots__ = ("clock", "action", "device", "start")
+
+    def __init__(self, clock: StepClock, action: Action, device: torch.device) -> None:
+        self.clock, self.action, self.device = clock, action, device
+
+    def __enter__(self) -> None:
+        self.start = self.clock.now(self.device)
+
+    def __exit__(self, error_type: Any, *_: Any) -> None:
+        if error_type is None:
+            clock = self.clock
+            clock.marks[clock.placement[self.action.stage]].append(
+                (self.action, self.device, self.start, clock.now(self.device)))
 
 
 def _event(device: torch.device) -> torch.cuda.Event:
