@@ -95,14 +95,12 @@ def main() -> None:
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         print("gradients equal torch.func's on the whole batch (float64)")
 
-        leaves = optree.tree_leaves(params)
-        optimizer = torch.optim.Adam(leaves, lr=0.01)
+        optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=0.01)
         started, first = time.perf_counter(), None
         for step in range(1, args.steps + 1):
             x = torch.randn(batch, width)
             loss, grads = pipe.value_and_grad(x, torch.tanh(x @ teacher))
-            for leaf, grad in zip(leaves, optree.tree_leaves(grads)):
-                leaf.grad = grad
+            fpipe.optim.bind_grads(params, grads)
             optimizer.step()
             first = loss.item() if first is None else first
             if step % 5 == 0 or step == args.steps:

@@ -53,8 +53,7 @@ def main() -> None:
 
     # A fixed random "teacher" defines the regression target.
     teacher = torch.randn(width, 1)
-    leaves = optree.tree_leaves(params)
-    optimizer = torch.optim.Adam(leaves, lr=args.lr)
+    optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=args.lr)
 
     with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=loss_fn) as pipe:
         print(f"{schedule!r} on {len(stages)} stages; the program each worker runs:")
@@ -65,8 +64,7 @@ def main() -> None:
             x = torch.randn(batch, width)
             target = torch.sin(x @ teacher)
             loss, grads = pipe.value_and_grad(x, target)
-            for leaf, grad in zip(leaves, optree.tree_leaves(grads)):
-                leaf.grad = grad
+            fpipe.optim.bind_grads(params, grads)
             optimizer.step()
             first = loss.item() if first is None else first
             if step % 5 == 0 or step == args.steps:
