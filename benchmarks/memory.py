@@ -66,7 +66,16 @@ from functools import partial
 
 import torch
 from common import parser, report, run_jobs, spawn_ranks
-from residual import Model, fpipe_schedules, loss_fn, naive_step, split, stage, whole_loss
+from residual import (
+    Model,
+    distributed_step,
+    fpipe_schedules,
+    loss_fn,
+    naive_step,
+    split,
+    stage,
+    whole_loss,
+)
 from torch.func import grad_and_value
 
 import fpipe
@@ -248,19 +257,8 @@ def memory_job(rank: int, world: int, group, model: Model, schedule, n_stages: i
     """Rank-side: this rank's peak over one step of ``fpipe.distributed`` (after a warm-up)."""
     import torch.distributed as dist
 
-    import fpipe.distributed as fdist
-
     meter = CpuMeter()
-    stage_params = split(model.params(), n_stages)
-    held = fdist.my_stages(schedule, n_stages)
-    pipe = fdist.pipeline([stage] * n_stages, {s: stage_params[s] for s in held},
-                          schedule=schedule, loss_fn=loss_fn, timeout=120)
-    x, t = model.data()
-    first, last = pipe.program.placement[0], pipe.program.placement[-1]
-
-    def step():
-        return pipe.value_and_grad(x if rank == first else None, t if rank == last else None)
-
+    step = distributed_step(rank, model, schedule, n_stages, timeout=120)
     step()
     dist.barrier(group=group)
     with meter:

@@ -8,6 +8,7 @@ naive loss and gradient. Also here: which fpipe schedules to run, and the rank-s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -121,22 +122,30 @@ def fpipe_schedules(chunks: int, workers: int) -> list[tuple[str, object, int]]:
 # -- rank-side jobs (run by common.run_jobs on every rank of a spawned group) ---------------------
 
 
-def fpipe_distributed_job(rank: int, world: int, group, model: Model, schedule, n_stages: int,
-                          repeat: int) -> dict:
-    """Time fpipe.distributed on this rank's stages; returns seconds, loss, stage-0 grad norm."""
+def distributed_step(rank: int, model: Model, schedule, n_stages: int,
+                     timeout: float) -> Callable[[], tuple]:
+    """This rank's part of the model as an ``fpipe.distributed`` pipeline: a function running
+    one training step (the input and target passed only where they are needed)."""
     import fpipe.distributed as fdist
 
     stage_params = split(model.params(), n_stages)
     held = fdist.my_stages(schedule, n_stages)
     pipe = fdist.pipeline([stage] * n_stages, {s: stage_params[s] for s in held},
-                          schedule=schedule, loss_fn=loss_fn, timeout=60)
+                          schedule=schedule, loss_fn=loss_fn, timeout=timeout)
     x, t = model.data()
     first, last = pipe.program.placement[0], pipe.program.placement[-1]
+    return lambda: pipe.value_and_grad(x if rank == first else None,
+                                       t if rank == last else None)
+
+
+def fpipe_distributed_job(rank: int, world: int, group, model: Model, schedule, n_stages: int,
+                          repeat: int) -> dict:
+    """Time fpipe.distributed on this rank's stages; returns seconds, loss, stage-0 grad norm."""
+    one_step = distributed_step(rank, model, schedule, n_stages, timeout=60)
     out = {}
 
     def step():
-        out["result"] = pipe.value_and_grad(x if rank == first else None,
-                                            t if rank == last else None)
+        out["result"] = one_step()
 
     seconds = timed_steps(step, group, repeat)
     loss, grads = out["result"]
