@@ -120,13 +120,18 @@ def pytree_model(dtype=torch.float64):
     return [embed, mix, head], params
 
 
+def pytree_batch(n):
+    """Input for pytree_model: token ids, float features and a Python scalar."""
+    return {"ids": torch.randint(0, 11, (n,)), "features": torch.randn(n, 4, dtype=torch.float64),
+            "scale": 2.0}
+
+
 @pytest.mark.parametrize("schedule", [gpipe(chunks=3), gpipe(chunks=5, remat="always"),
                                       one_f_one_b(chunks=4, remat="except_last")])
 def test_pytree_inputs_outputs_and_params(schedule):
     stages, params = pytree_model()
     n = 7
-    batch = {"ids": torch.randint(0, 11, (n,)), "features": torch.randn(n, 4, dtype=torch.float64),
-             "scale": 2.0}
+    batch = pytree_batch(n)
     target = torch.randn(n, 3, dtype=torch.float64)
     expected_loss, expected_grads = whole_batch(stages, params, batch, target, mse)
     with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as pipe:
@@ -263,8 +268,7 @@ def test_float32_training_with_torch_optim():
 def test_vjp_matches_torch_func_vjp(remat):
     stages, params = pytree_model()
     n = 7
-    batch = {"ids": torch.randint(0, 11, (n,)), "features": torch.randn(n, 4, dtype=torch.float64),
-             "scale": 2.0}
+    batch = pytree_batch(n)
     cotangent = torch.randn(n, 3, dtype=torch.float64)
     with fpipe.pipeline(stages, params, schedule=gpipe(chunks=3, remat=remat)) as pipe:
         y, vjp_fn = pipe.vjp(batch)
