@@ -60,7 +60,8 @@ class SplitVJP:
         self.params = params
         self.inputs = inputs
         self._cotangents: list | None = None
-        self._fused: list | None = None
+        self._fused: list | None = None  # both halves, when they could not be split
+        self._graph: _Graph | None = None
         self._recorded: dict[Node, tuple] = {}
 
     def input_grads(self, cotangents: list) -> list:
