@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 class BatchError(ValueError):
     """A batch cannot be split as asked: too few samples, or leaves disagreeing on dim 0."""
@@ -25,16 +27,61 @@ class PlacementError(ValueError):
     """Stages, parameters and devices do not fit together."""
 
 
-class StageError(RuntimeError):
-    """A stage raised, or returned something the pipeline cannot carry.
+class Where(NamedTuple):
+    """Where a step failed: the stage, the micro-batch, the op ("forward", "recompute",
+    "backward", "input-gradient backward", "weight-gradient backward") and, in a distributed
+    pipeline, the rank."""
 
-    ``stage``, ``microbatch`` and ``op`` ("forward", "recompute", "backward", ...) say where; the
-    original exception, if any, is the ``__cause__``. In a distributed pipeline ``rank`` is the
-    rank where the stage failed; other ranks raise it too, with the message but not the cause.
+    stage: int | None
+    microbatch: int | None
+    op: str | None
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        return f"stage {self.stage}, {self.op} of micro-batch {self.microbatch}{on}"
+
+
+def where(error: BaseException) -> Where | None:
+    """Where in a pipeline step ``error`` was raised, or ``None`` if not in a stage.
+
+    A stage's own exception reaches the caller as itself (``except torch.OutOfMemoryError``
+    still catches it), with this attached and a note saying it; fpipe's own detections are
+    :class:`StageError`, whose fields say the same."""
+    if isinstance(error, StageError):
+        return Where(error.stage, error.microbatch, error.op, error.rank)
+    return getattr(error, "fpipe_where", None)
+
+
+def locate(error: BaseException, at: Where) -> BaseException:
+    """Attach ``at`` to a stage's own exception (once: the first place it was seen wins), with a
+    PEP 678 note for the traceback. Exceptions that take no attributes keep only the note."""
+    if where(error) is not None:
+        return error
+    try:
+        error.fpipe_where = at  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    note = f"fpipe: raised in {at}"
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: the attribute PEP 678 names, printed by 3.11+ and by pytest
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
+    return error
+
+
+class StageError(RuntimeError):
+    """A stage returned something the pipeline cannot carry (fpipe's own detection: a bad
+    output, a loss that is not a scalar, a write into its inputs), or, on a distributed rank
+    that only learnt of it, another rank's failure.
+
+    ``stage``, ``microbatch`` and ``op`` ("forward", "recompute", "backward", ...) say where. A
+    stage's own exception is not wrapped: it reaches the caller as itself, see :func:`where`.
+    In a distributed pipeline ``rank`` is the rank where the stage failed.
     """
 
-    def __init__(self, message: str, stage: int | None, microbatch: int | None, op: str | None,
-                 rank: int | None = None) -> None:
+    def __init__(self, message: str, stage: int | None = None, microbatch: int | None = None,
+                 op: str | None = None, rank: int | None = None) -> None:
         super().__init__(message)
         self.stage = stage
         self.microbatch = microbatch
