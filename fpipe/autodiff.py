@@ -17,9 +17,10 @@ import torch
 from torch.func import vjp
 
 from fpipe.compiled import autograd_vjp, batch_dynamic, is_compiled
+from fpipe.errors import StageError
 from fpipe.split_backward import split_vjp
 
-__all__ = ["Value", "StageCall", "flatten", "differentiable"]
+__all__ = ["Value", "StageCall", "flatten", "differentiable", "check_output", "describe"]
 
 
 def differentiable(leaf: Any) -> bool:
@@ -75,20 +76,24 @@ class StageCall:
         self._vjp = autograd_vjp if self.compiled or autodiff == "autograd" else vjp
 
     def forward(self, params: list, x: Value, state: Any = None, popped: tuple = (),
-                target: Any = None, weight: float = 1.0) -> tuple[Any, Any]:
+                target: Any = None, weight: float = 1.0, size: int | None = None
+                ) -> tuple[Any, Any]:
         """The outputs (or the scaled loss) and the new state, with no graph kept: for
-        inference and for forwards that will be recomputed."""
+        inference and for forwards that will be recomputed. ``size`` is the micro-batch's,
+        which every output must keep on dim 0."""
+        watch = _Watch(self, params, state, x, popped)
         with torch.no_grad():
             y, stashed, new_state = self._apply(
                 optree.tree_unflatten(self.param_spec, params), state, x.tree(),
-                tuple(value.tree() for value in popped), target, weight)
+                tuple(value.tree() for value in popped), target, weight, size)
+        watch.check()
         if self.loss_fn is not None:
             return y, new_state
         return [flatten(y), *(flatten(value) for value in stashed)], new_state
 
     def forward_vjp(self, params: list, x: Value, state: Any = None, popped: tuple = (),
-                    target: Any = None, weight: float = 1.0, split: bool = False
-                    ) -> tuple[Any, Any, Any]:
+                    target: Any = None, weight: float = 1.0, size: int | None = None,
+                    split: bool = False) -> tuple[Any, Any, Any]:
         """The outputs (or scaled loss), the new state, and the function mapping the outputs'
         cotangents to ``(param_grads, input_grads)``, lists of leaves in output and input
         order; with ``split``, a :class:`~fpipe.split_backward.SplitVJP` giving the two
@@ -107,7 +112,7 @@ class StageCall:
                 trees.append(optree.tree_unflatten(value.spec, full))
             y, stashed, new_state = self._apply(
                 optree.tree_unflatten(self.param_spec, param_leaves), state, trees[0],
-                tuple(trees[1:]), target, weight)
+                tuple(trees[1:]), target, weight, size)
             state_leaves, state_spec = optree.tree_flatten(new_state)
             # Tensors that carry no gradient leave the transform as aux, which unwraps them.
             state_kept = [i for i, leaf in enumerate(state_leaves)
@@ -118,18 +123,28 @@ class StageCall:
                 outs = [flatten(y), *(flatten(value) for value in stashed)]
                 grads = [out.leaves[i] for out in outs for i in out.grad_index]
                 if not grads:
-                    raise TypeError("the stage returned no floating-point tensor, so no "
-                                    "gradient can flow back through it")
+                    raise StageError("the stage returned no floating-point tensor, so no "
+                                     "gradient can flow back through it")
                 kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
                         if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
             side.extend((outs, kept, state_leaves, state_spec, state_kept))
             return grads, ([outs[k].leaves[i] for k, i in kept]
                            + [state_leaves[i] for i in state_kept])
 
-        primals, vjp_fn, aux = (split_vjp if split else self._vjp)(
-            flat, params,
-            [value.leaves[i] for value, where in zip(inputs, index) for i in where],
-            has_aux=True)
+        watch = _Watch(self, params, state, x, popped)
+        try:
+            primals, vjp_fn, aux = (split_vjp if split else self._vjp)(
+                flat, params,
+                [value.leaves[i] for value, where in zip(inputs, index) for i in where],
+                has_aux=True)
+        except RuntimeError as exc:
+            if "used in an in-place operation" not in str(exc):
+                raise
+            # Autograd refuses the write before it lands: the differentiated leaves are its.
+            raise StageError("the stage writes in place into a tensor it was given (a "
+                             "parameter or a floating-point input); stages must be pure: "
+                             "compute a new tensor instead") from exc
+        watch.check()
         outs, kept, state_leaves, state_spec, state_kept = side
         for (k, i), leaf in zip(kept, aux[:len(kept)]):
             outs[k].leaves[i] = leaf
@@ -145,7 +160,7 @@ class StageCall:
         return outs, new_state, vjp_fn
 
     def _apply(self, params: Any, state: Any, x: Any, popped: tuple, target: Any,
-               weight: float) -> tuple[Any, tuple, Any]:
+               weight: float, size: int | None = None) -> tuple[Any, tuple, Any]:
         """Call the stage (and the loss): ``(y or loss, stashed values, new state)``."""
         if self.compiled:
             x, popped = batch_dynamic((x, popped))
@@ -161,23 +176,92 @@ class StageCall:
                                           "(y, {name: value})")
             if not isinstance(stash, dict) or set(stash) != set(self.stashes):
                 got = sorted(stash) if isinstance(stash, dict) else type(stash).__name__
-                raise TypeError(f"the stage must stash exactly {list(self.stashes)}, got {got}")
+                raise StageError(f"the stage must stash exactly {list(self.stashes)}, "
+                                 f"got {got}")
             stashed = tuple(stash[name] for name in self.stashes)
+        if size is not None:  # every output keeps the micro-batch, the last stage's too
+            check_output(result, size, "output")
+            for name, value in zip(self.stashes, stashed):
+                check_output(value, size, f"stashed skip {name!r}")
         if self.loss_fn is not None:
             result = self._loss(result, target, weight)
         return result, stashed, new_state
 
     def _loss(self, y: Any, target: Any, weight: float) -> torch.Tensor:
-        loss = self.loss_fn(y, target)
+        try:
+            loss = self.loss_fn(y, target)
+        except Exception as exc:
+            if target is None and hasattr(exc, "add_note"):
+                exc.add_note("fpipe: no target was given: value_and_grad(x) passes target=None "
+                             "to loss_fn; call value_and_grad(x, target)")
+            raise
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(f"loss_fn must return a scalar (0-dim) tensor, got {shape}")
+            raise StageError(f"loss_fn must return a scalar (0-dim) tensor, got {shape}")
         if not differentiable(loss):
-            raise TypeError(f"loss_fn must return a floating-point tensor, got {loss.dtype}")
+            raise StageError(f"loss_fn must return a floating-point tensor, got {loss.dtype}")
         return loss * weight
 
 
 def _pair(result: Any, message: str) -> tuple[Any, Any]:
     if not isinstance(result, tuple) or len(result) != 2:
-        raise TypeError(f"{message}, got {type(result).__name__}")
+        raise StageError(f"{message}, got {type(result).__name__}")
     return result
+
+
+class _Watch:
+    """The version counters of every tensor a stage call is given (parameters, state, inputs):
+    a stage that writes into one in place is caught right after that call, before the next
+    call could change the caller's tensors again, and the error names the leaf."""
+
+    __slots__ = ("call", "params", "state", "x", "popped", "tensors", "versions")
+
+    def __init__(self, call: StageCall, params: list, state: Any, x: Value,
+                 popped: tuple) -> None:
+        self.call, self.params, self.state, self.x, self.popped = call, params, state, x, popped
+        self.tensors = [leaf for leaf in (*params, *optree.tree_leaves(state), *x.leaves,
+                                          *(leaf for value in popped for leaf in value.leaves))
+                        if isinstance(leaf, torch.Tensor)]
+        self.versions = [t._version for t in self.tensors]
+
+    def check(self) -> None:
+        for tensor, version in zip(self.tensors, self.versions):
+            if tensor._version != version:
+                raise StageError(f"the stage wrote in place into {self._name(tensor)}; stages "
+                                 f"must be pure (compute a new tensor instead): the caller's "
+                                 f"tensor was changed")
+
+    def _name(self, tensor: torch.Tensor) -> str:
+        trees = [("params", optree.tree_unflatten(self.call.param_spec, self.params)),
+                 ("state", self.state), ("its input x", self.x.tree()),
+                 *((f"skip {name!r}", value.tree())
+                   for name, value in zip(self.call.pops, self.popped))]
+        for what, tree in trees:
+            paths, leaves, _ = optree.tree_flatten_with_path(tree)
+            for path, leaf in zip(paths, leaves):
+                if leaf is tensor:
+                    return what + "".join(f"[{key!r}]" for key in path)
+        return "a tensor it was given"
+
+
+def check_output(tree: Any, size: int, what: str) -> None:
+    """A stage's ``what`` carries a tensor, and every tensor keeps the micro-batch's ``size``
+    on dim 0 (0-dim tensors excepted)."""
+    leaves = optree.tree_leaves(tree)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        raise StageError(f"the stage returned no tensor in its {what} (got {tree!r}); it must "
+                         f"be a tensor or a pytree with tensor leaves")
+    for leaf in tensors:
+        if leaf.dim() > 0 and leaf.shape[0] != size:
+            raise StageError(f"the stage's {what} {describe(tree)} does not keep the "
+                             f"micro-batch size {size} on dim 0 of every tensor")
+
+
+def describe(tree: Any) -> str:
+    """Shapes and dtypes of a pytree's tensor leaves, for error messages."""
+    def one(leaf: Any) -> str:
+        if isinstance(leaf, torch.Tensor):
+            return f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
+        return repr(leaf)
+    return str(optree.tree_map(one, tree, none_is_leaf=True))

@@ -68,6 +68,9 @@ def autograd_vjp(fn: Callable, *primals: Any, has_aux: bool = False) -> tuple:
     def vjp_fn(cotangents: Any) -> tuple:
         pairs = [(o, c) for o, c in zip(out_leaves, optree.tree_leaves(cotangents))
                  if o.requires_grad]
+        if not pairs or not in_leaves:  # nothing to differentiate (a stage without parameters
+            # and inputs without gradient, or outputs that depend on none of them)
+            return optree.tree_unflatten(in_spec, [torch.zeros_like(t) for t in in_leaves])
         grads = torch.autograd.grad([o for o, _ in pairs], in_leaves, [c for _, c in pairs],
                                     allow_unused=True, materialize_grads=True)
         return optree.tree_unflatten(in_spec, list(grads))

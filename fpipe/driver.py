@@ -22,15 +22,16 @@ from typing import Any, Protocol
 import optree
 import torch
 
-from fpipe.autodiff import StageCall, Value
-from fpipe.errors import StageError
+from fpipe.autodiff import StageCall, Value, describe
+from fpipe.errors import StageError, Where, locate
 from fpipe.recompute import recomputing
-from fpipe.rng import RandomStages, StepSeed
+from fpipe.rng import RandomStages, StepSeed, UnseededDraws
 from fpipe.schedules.actions import Action, Op, Program
 from fpipe.schedules.validate import validate
 from fpipe.split_backward import SplitVJP
 from fpipe.stages.skip import pops, skip_routes, stashes
 from fpipe.stream import Transport
+from fpipe.thread_state import ThreadState
 from fpipe.timeline import Recorder, StepClock
 from fpipe.workers import Aborted, Inbox, WorkerPool
 
@@ -45,7 +46,7 @@ _OP_NAMES = ("forward", "forward", "forward", "recompute", "recompute", "backwar
              "input-gradient backward", "weight-gradient backward")
 _OPS = (Op.FORWARD, Op.FORWARD, Op.FORWARD, Op.RECOMPUTE, Op.RECOMPUTE, Op.BACKWARD,
         Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-_UNTIMED = contextlib.nullcontext()
+_UNTIMED = _NOTHING = contextlib.nullcontext()
 
 
 def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
@@ -118,7 +119,8 @@ class Step:
     def __init__(self, params: list, state: list, inputs: list | None, targets: list | None,
                  weights: list, sizes: list, seed: int, training: bool,
                  on_abort: Callable[[], None], open_ended: bool = False,
-                 clock: StepClock | None = None) -> None:
+                 clock: StepClock | None = None, seeded: bool = False,
+                 context: ThreadState | None = None) -> None:
         self.params = params
         self.state = list(state)
         self.inputs = inputs
@@ -126,7 +128,11 @@ class Step:
         self.weights = weights
         self.sizes = sizes
         self.seed = seed
+        # Every stage call seeded (see fpipe.rng): a step run again after UnseededDraws.
+        self.seeded = seeded
         self.training = training
+        # The caller's thread-local state, applied by every worker (None: run as the thread is).
+        self.context = context
         # An open-ended training step has no loss: the caller gives the cotangents of the last
         # stage's outputs and takes the gradients of the first stage's inputs (module face).
         self.open_ended = open_ended
@@ -184,7 +190,8 @@ class Interpreter:
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
                  devices: Sequence[torch.device], loss_fn: Callable | None,
                  transport: Transport, stateful: bool = False,
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "func",
+                 concurrent: bool = True) -> None:
         if autodiff not in ("func", "autograd"):
             raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         n = len(stages)
@@ -204,13 +211,14 @@ class Interpreter:
         self.training_calls = calls(lambda s: s > 0, loss_fn)
         self.open_ended_calls = calls(lambda s: True, None)
         self.transport = transport
-        self.random = RandomStages(self.devices)
+        self.random = RandomStages(self.devices, concurrent)
 
     def run(self, step: Step, actions: tuple, channel: Channel) -> None:
-        """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail` as a
-        :class:`StageError` naming the stage, op and micro-batch; only interrupts propagate."""
-        # Grad mode is thread-local: set it in every worker, whatever the caller's is.
-        with torch.enable_grad() if step.training else torch.no_grad():
+        """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail`, located
+        (stage, op, micro-batch); only interrupts propagate."""
+        # Grad mode is the step's; the rest of the caller's thread-local state is carried.
+        with torch.enable_grad() if step.training else torch.no_grad(), \
+                _NOTHING if step.context is None else step.context.applied(step.training):
             self._run(step, actions, channel)
 
     def _run(self, step: Step, actions: tuple, channel: Channel) -> None:
@@ -237,65 +245,64 @@ class Interpreter:
                     weight = step.weights[microbatch]
                     state = step.state[stage]
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 step.training), \
+                                                                 step.training, step.seeded), \
                             _timed(clock, code, stage, microbatch, device):
                         if code != _DROPPED:
                             outs, step.state[stage], vjp_fn = call.forward_vjp(
                                 step.params[stage], x, state, popped, target, weight,
-                                split=code == _KEPT_SPLIT)
+                                step.sizes[microbatch], split=code == _KEPT_SPLIT)
                             step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
                         else:
                             outs, step.state[stage] = call.forward(
-                                step.params[stage], x, state, popped, target, weight)
+                                step.params[stage], x, state, popped, target, weight,
+                                step.sizes[microbatch])
                     if code == _DROPPED and step.training:
                         step.saved[key] = (x, state, popped)
                     if stage == last:
                         step.outputs[microbatch] = (outs[0] if step.open_ended else
                                                     outs if step.training else outs[0].tree())
                         continue
-                    size = step.sizes[microbatch]
-                    _check_output(outs[0], size, "output")
                     channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch),
                                  outs[0])
                     for name, value in zip(call.stashes, outs[1:]):
-                        _check_output(value, size, f"stashed skip {name!r}")
                         channel.send(value.leaves, device, routes[name][1],
                                      ("s", name, microbatch), value)
                 elif code <= _RECOMPUTE_SPLIT:
                     # The inputs and state the forward saw, again; the new state is dropped.
                     x, state, popped = step.saved.pop(key)
                     with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 True), recomputing(), \
-                            _timed(clock, code, stage, microbatch, device):
+                                                                 True, step.seeded), \
+                            recomputing(), _timed(clock, code, stage, microbatch, device):
                         *_, vjp_fn = call.forward_vjp(
                             step.params[stage], x, state, popped,
                             step.targets[microbatch] if step.targets is not None else None,
-                            step.weights[microbatch], split=code == _RECOMPUTE_SPLIT)
+                            step.weights[microbatch], step.sizes[microbatch],
+                            split=code == _RECOMPUTE_SPLIT)
                     step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
                 elif code == _BACKWARD_WEIGHT:
                     with transport.compute(device), _timed(clock, code, stage, microbatch,
                                                            device):
                         grads = step.pending_weights.pop(key).weight_grads()
-                    self.accumulate(step, stage, grads)
+                        self.accumulate(step, stage, grads)
                 else:
                     if stage == last and step.open_ended:
                         cotangent = list(step.output_cotangents[microbatch])
-                    elif stage == last:
-                        cotangent = [torch.ones_like(step.outputs[microbatch])]
-                    else:
+                    elif stage < last:
                         cotangent = list(channel.receive(("g", stage, microbatch), device))
                     for name in call.stashes:
                         cotangent += channel.receive(("t", name, microbatch), device)
                     vjp_fn, counts = step.vjps.pop(key)
+                    # Everything below touches the device's tensors: on its compute stream.
                     with transport.compute(device), _timed(clock, code, stage, microbatch,
                                                            device):
+                        if stage == last and not step.open_ended:  # the loss's seed
+                            cotangent = [torch.ones_like(step.outputs[microbatch])]
                         if code == _BACKWARD:
                             param_grads, input_grads = vjp_fn(cotangent)
+                            self.accumulate(step, stage, param_grads)
                         else:
                             input_grads = vjp_fn.input_grads(cotangent)
-                    if code == _BACKWARD:
-                        self.accumulate(step, stage, param_grads)
-                    else:
+                    if code != _BACKWARD:
                         step.pending_weights[key] = vjp_fn
                     if stage == 0 and step.open_ended:
                         step.input_grads[microbatch] = list(input_grads)
@@ -312,11 +319,12 @@ class Interpreter:
         except Aborted:
             return
         except BaseException as exc:
-            step.fail(_stage_error(exc, code, stage, microbatch, x))
+            step.fail(_located(exc, code, stage, microbatch, x))
             if not isinstance(exc, Exception):
                 raise
 
     def accumulate(self, step: Step, stage: int, grads: list) -> None:
+        # Called inside the device's compute scope: the sums read the vjp's outputs there.
         # With a grad dtype (float32 for bfloat16 parameters), each micro-batch's gradient is
         # cast before it is added, so the sum does not round at the parameters' precision.
         if self.grad_dtype is not None:
@@ -366,7 +374,12 @@ class _LocalChannel:
 
 
 class LocalDriver:
-    """Runs programs for ``stages`` placed on ``devices`` with one thread per worker."""
+    """Runs programs for ``stages`` placed on ``devices`` with one thread per worker.
+
+    One step runs at a time: calls from several threads are served one after the other (a
+    training loop and an evaluation thread may share a pipeline), and a stage that calls its
+    own pipeline is refused rather than left waiting for itself.
+    """
 
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
                  devices: Sequence[torch.device], n_workers: int,
@@ -376,12 +389,16 @@ class LocalDriver:
         self.stateful = stateful
         self.transport = Transport(self.devices)
         self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
-                                       self.transport, stateful, grad_dtype, autodiff)
+                                       self.transport, stateful, grad_dtype, autodiff,
+                                       concurrent=n_workers > 1)
         self.pool = WorkerPool(n_workers)
         self._compiled: dict[tuple[Program, bool], tuple] = {}
+        self._lock = threading.Lock()
+        self._holder: int | None = None
 
     def close(self) -> None:
-        self.pool.close()
+        with self._serialised():
+            self.pool.close()
 
     def prepare(self, program: Program, training: bool) -> tuple:
         """Validate and compile ``program`` for this driver, once."""
@@ -397,17 +414,17 @@ class LocalDriver:
               sizes: list[int], record: Recorder | None = None) -> tuple[list[Any], list]:
         """Forward every micro-batch; returns the last stage's outputs, one pytree each, and
         each stage's state after the last micro-batch."""
-        step = self._start(program, False, params, state, inputs, None, [1.0] * len(inputs),
-                           sizes, record=record)
-        self._run(program, step, _everything)
+        step = self._step(program, _everything, partial(
+            self._start, program, False, params, state, inputs, None, [1.0] * len(inputs),
+            sizes, record=record))
         return step.outputs, step.state
 
     def train(self, program: Program, params: list, state: list, inputs: list[Value],
               targets: list, weights: list[float], sizes: list[int],
               record: Recorder | None = None) -> TrainResult:
-        step = self._start(program, True, params, state, inputs, targets, weights, sizes,
-                           record=record)
-        self._run(program, step, _everything)
+        step = self._step(program, _everything, partial(
+            self._start, program, True, params, state, inputs, targets, weights, sizes,
+            record=record))
         return TrainResult(step.outputs, step.grads_out(), step.state)
 
     def begin(self, program: Program, params: list, state: list, inputs: list[Value],
@@ -422,21 +439,47 @@ class LocalDriver:
         if any(code <= _DROPPED for actions in plan for code, _, _ in _after_forwards(actions)):
             raise ValueError("a step run in two calls needs a program whose workers run all "
                              "their forwards before any other action, such as gpipe's")
-        step = self._start(program, True, params, state, inputs, None, [1.0] * len(inputs),
-                           sizes, open_ended=True)
-        self._run(program, step, _forwards)
-        return step
+        return self._step(program, _forwards, partial(
+            self._start, program, True, params, state, inputs, None, [1.0] * len(inputs),
+            sizes, open_ended=True))
 
     def finish(self, program: Program, step: Step, cotangents: list[list]) -> TrainResult:
         """The rest of a step :meth:`begin` started, given the outputs' cotangents; the
-        inputs' gradients are left in ``step.input_grads``."""
+        inputs' gradients are left in ``step.input_grads``.
+
+        The worker of the last stage runs in the calling thread. Called from an autograd
+        backward (``fpipe.GPipe``) on a CUDA output, that thread is autograd's thread for the
+        output's device, which every vjp on that device needs: were it to wait for another
+        thread running those vjps, the backward would wait on itself.
+        """
         step.output_cotangents = cotangents
-        self._run(program, step, _after_forwards)
+        try:
+            self._run(program, step, _after_forwards, inline=program.placement[-1])
+        except UnseededDraws as exc:
+            raise StageError(
+                f"stage {exc.stage} drew random numbers in the recompute of micro-batch "
+                f"{exc.microbatch} but not in its forward, so the recompute cannot reproduce "
+                f"the forward: a stage must draw alike in both (its forward ran when the "
+                f"pipeline was called, the recompute in the backward)",
+                exc.stage, exc.microbatch, "recompute") from None
         return TrainResult(None, step.grads_out(), step.state)
+
+    def _step(self, program: Program, part: Callable[[tuple], tuple],
+              start: Callable[..., Step]) -> Step:
+        """Run ``part`` of a new step; if a stage drew random numbers unseeded (see
+        :mod:`fpipe.rng`), run the step again from its start, every call seeded."""
+        step = start()
+        try:
+            self._run(program, step, part)
+        except UnseededDraws:
+            step = start(seed=step.seed, seeded=True)
+            self._run(program, step, part)
+        return step
 
     def _start(self, program: Program, training: bool, params: list, state: list,
                inputs: list, targets: list | None, weights: list, sizes: list,
-               open_ended: bool = False, record: Recorder | None = None) -> Step:
+               open_ended: bool = False, record: Recorder | None = None,
+               seed: int | None = None, seeded: bool = False) -> Step:
         inboxes = [Inbox() for _ in range(program.n_workers)]
 
         def abort() -> None:
@@ -445,30 +488,49 @@ class LocalDriver:
 
         clock = (None if record is None else
                  record.clock(program.placement, program.n_workers, self.devices))
-        step = Step(params, state, inputs, targets, weights, sizes, None, training, abort,
-                    open_ended, clock)
+        step = Step(params, state, inputs, targets, weights, sizes, seed, training, abort,
+                    open_ended, clock, seeded, ThreadState.capture(self.devices))
+        if step.context.plain:
+            step.context = None
         step.inboxes = inboxes
         return step
 
-    def _run(self, program: Program, step: Step, part: Callable[[tuple], tuple]) -> None:
-        """Run ``part`` of each worker's compiled actions: all of them, or one half."""
+    def _run(self, program: Program, step: Step, part: Callable[[tuple], tuple],
+             inline: int = 0) -> None:
+        """Run ``part`` of each worker's compiled actions (all of them, or one half), worker
+        ``inline`` in the calling thread."""
         plan = self.prepare(program, step.training)
-        seed = StepSeed(self.devices, step.seed)
-        step.seed = seed.seed
-        jobs = [partial(self.interpreter.run, step, part(plan[w]),
-                        _LocalChannel(step.inboxes, w, program.placement, self.transport,
-                                      self.devices))
-                for w in range(len(plan))]
-        self.transport.begin_step()
-        try:
-            self.pool.run(jobs, step.abort)
-        finally:
-            self.transport.end_step()
-            seed.restore()
+        with self._serialised():
+            seed = StepSeed(self.devices, step.seed)
+            step.seed = seed.seed
+            jobs = [partial(self.interpreter.run, step, part(plan[w]),
+                            _LocalChannel(step.inboxes, w, program.placement, self.transport,
+                                          self.devices))
+                    for w in range(len(plan))]
+            self.transport.begin_step()
+            try:
+                self.pool.run(jobs, step.abort, inline)
+            finally:
+                self.transport.end_step()
+                seed.restore()
         if step.error is not None:
             raise step.error
         if step.clock is not None and part is not _forwards:
             step.clock.finish()
+
+    @contextlib.contextmanager
+    def _serialised(self):
+        """Hold the driver for one run; a stage calling its own pipeline is an error."""
+        me = threading.get_ident()
+        if me == self._holder or self.pool.runs_in(me):
+            raise RuntimeError("a stage called the pipeline that is running it; a pipeline "
+                               "runs one step at a time, so this call would wait for itself")
+        with self._lock:
+            self._holder = me
+            try:
+                yield
+            finally:
+                self._holder = None
 
 
 def _everything(actions: tuple) -> tuple:
@@ -493,37 +555,27 @@ def _timed(clock: StepClock | None, code: int, stage: int, microbatch: int,
     return clock.span(Action(stage, _OPS[code], microbatch), device)
 
 
-def _check_output(out: Value, size: int, what: str) -> None:
-    tensors = [leaf for leaf in out.leaves if isinstance(leaf, torch.Tensor)]
-    if not tensors:
-        raise TypeError(f"the stage returned no tensor in its {what} (got {out.tree()!r}); it "
-                        f"must be a tensor or a pytree with tensor leaves")
-    for leaf in tensors:
-        if leaf.dim() > 0 and leaf.shape[0] != size:
-            raise ValueError(
-                f"the stage's {what} {describe(out.tree())} does not keep the micro-batch "
-                f"size {size} on dim 0 of every tensor"
-            )
-
-
-def describe(tree: Any) -> str:
-    """Shapes and dtypes of a pytree's tensor leaves, for error messages."""
-    def one(leaf: Any) -> str:
-        if isinstance(leaf, torch.Tensor):
-            return f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
-        return repr(leaf)
-    return str(optree.tree_map(one, tree, none_is_leaf=True))
-
-
-def _stage_error(exc: BaseException, code: int | None, stage: int | None,
-                 microbatch: int | None, x: Value | None) -> StageError:
-    if isinstance(exc, StageError):
+def _located(exc: BaseException, code: int | None, stage: int | None,
+             microbatch: int | None, x: Value | None) -> BaseException:
+    """``exc`` with where it was raised: fpipe's own detections (:class:`StageError`) get it in
+    their message and fields, a stage's own exception keeps its type and gets it attached
+    (:func:`fpipe.errors.where`) and noted, with the input a later stage received."""
+    if isinstance(exc, UnseededDraws) or stage is None:
         return exc
     op = _OP_NAMES[code] if code is not None else "setup"
-    message = f"stage {stage} failed in the {op} of micro-batch {microbatch}: " \
-              f"{type(exc).__name__}: {exc}"
-    if x is not None and stage:
-        message += f"\n  its input, from stage {stage - 1}: {describe(x.tree())}"
-    error = StageError(message, stage, microbatch, op)
-    error.__cause__ = exc
-    return error
+    received = f"its input, from stage {stage - 1}: {describe(x.tree())}" \
+        if x is not None and stage else None
+    if isinstance(exc, StageError):
+        if exc.stage is None:
+            message = f"stage {stage} failed in the {op} of micro-batch {microbatch}: {exc}"
+            if received:
+                message += f"\n  {received}"
+            located = StageError(message, stage, microbatch, op)
+            located.__cause__, located.__traceback__ = exc.__cause__, exc.__traceback__
+            return located
+        return exc
+    if getattr(exc, "fpipe_where", None) is None:
+        locate(exc, Where(stage, microbatch, op))
+        if received and hasattr(exc, "add_note"):
+            exc.add_note(f"fpipe: {received}")
+    return exc

@@ -1,32 +1,40 @@
-"""Random numbers in stages: the same draws in a recompute, the same draws in every run.
+"""Random numbers in stages: a recompute draws what its forward drew, and every run draws alike.
 
-Torch's generators are process-wide (one for the CPU, one per CUDA device), while the driver
-runs stages on several threads at once, so draws of concurrent stages would interleave in an
-order no one can reproduce. Instead each call of a stage that draws random numbers gets its own
-generator state: the generator of the stage's device is seeded from (step seed, stage,
-micro-batch) under a lock held for the call. The recompute of (stage, micro-batch) reseeds
-identically and so draws identically. The step seed is one draw from the caller's CPU generator,
-so ``torch.manual_seed`` before a step makes the whole step reproducible, and the caller's
-generators are restored after the step.
+Torch's generators are process-wide (one for the CPU, one per CUDA device) while the driver runs
+stages on several threads, so draws of concurrent stages would interleave in an order no one
+can reproduce. So a call of a stage that draws runs *seeded*: it holds its generators
+exclusively, and each is seeded from (step seed, stage, micro-batch). The recompute of
+(stage, micro-batch) reseeds identically and so draws identically. A stage on a CUDA device
+is seeded on its device's generator and on the CPU's, since it may draw from either (as
+torchgpipe saves and restores both). The step seed is one draw from the caller's CPU
+generator, so ``torch.manual_seed`` before a step makes the whole step reproducible, and the
+caller's generators are restored after the step.
 
-Whether a stage draws at all is learnt on its first calls (with the generator's state compared
-before and after, under the lock): stages that do not draw then run without the lock, fully in
-parallel. A stage is judged separately for inference and for training, since modules such as
-dropout draw only in training.
+Holding a generator exclusively serialises the stages that use it, so stages seen not to draw
+run *watched* instead: they share the generator (a readers-writer lock keeps seeded calls out)
+and its state is compared before and after. Nothing is trusted from earlier calls: a stage that
+starts drawing later (dropout switched on, ``module.train()``, a data-dependent branch) is
+caught by the comparison on the very call that draws, the step raises :class:`UnseededDraws`,
+and the driver runs the step again with every call seeded, learning which stages draw. What a
+stage was seen to do is only a hint for how to run it; a wrong hint costs one step, never a
+mismatch between a forward and its recompute.
+
+Where stages cannot run concurrently (one worker, a distributed rank) every call is seeded.
+Other threads of the program that draw from torch's generators during a step are not
+isolated from the step's draws.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
-__all__ = ["StepSeed", "RandomStages"]
+__all__ = ["StepSeed", "RandomStages", "UnseededDraws"]
 
 _MASK64 = (1 << 64) - 1
-_UNSEEDED = nullcontext()
+_CPU = torch.device("cpu")
 
 
 def _mix(*values: int) -> int:
@@ -41,62 +49,180 @@ def _mix(*values: int) -> int:
     return h >> 1
 
 
-def _generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        return torch.cuda.default_generators[
-            device.index if device.index is not None else torch.cuda.current_device()
-        ]
-    return torch.default_generator
+class UnseededDraws(Exception):
+    """A stage drew random numbers in a call that ran unseeded, since it had not drawn before:
+    the step must run again with every call seeded (the driver does so)."""
+
+    def __init__(self, stage: int, microbatch: int) -> None:
+        super().__init__(f"stage {stage} drew random numbers in micro-batch {microbatch}, "
+                         f"which it had not done before")
+        self.stage = stage
+        self.microbatch = microbatch
 
 
-_locks: dict[tuple, threading.Lock] = {}
-_locks_guard = threading.Lock()
+class _SharedLock:
+    """A readers-writer lock that prefers writers: watched calls share a generator, a seeded
+    call holds it alone."""
+
+    __slots__ = ("_cond", "_readers", "_writer", "_waiting")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting = 0
+
+    def acquire(self, exclusive: bool) -> None:
+        with self._cond:
+            if exclusive:
+                self._waiting += 1
+                while self._writer or self._readers:
+                    self._cond.wait()
+                self._waiting -= 1
+                self._writer = True
+            else:
+                while self._writer or self._waiting:
+                    self._cond.wait()
+                self._readers += 1
+
+    def release(self, exclusive: bool) -> None:
+        with self._cond:
+            if exclusive:
+                self._writer = False
+            else:
+                self._readers -= 1
+            self._cond.notify_all()
 
 
-def _lock(device: torch.device) -> threading.Lock:
-    key = (device.type, device.index)
-    with _locks_guard:
-        return _locks.setdefault(key, threading.Lock())
+class _Generator:
+    """One of torch's process-wide generators and the lock every fpipe step shares for it."""
+
+    __slots__ = ("key", "torch", "lock")
+
+    def __init__(self, device: torch.device) -> None:
+        index = device.index
+        if device.type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        self.key = (device.type, -1 if index is None else index)
+        self.torch = torch.cuda.default_generators[index] if device.type == "cuda" \
+            else torch.default_generator
+        self.lock = _SharedLock()
+
+    def state(self) -> bytes:
+        return self.torch.get_state().numpy().tobytes()
+
+
+_generators: dict[tuple, _Generator] = {}
+_generators_guard = threading.Lock()
+
+
+def _generator(device: torch.device) -> _Generator:
+    if device.type not in ("cpu", "cuda"):
+        device = _CPU  # meta and other devices draw from nothing fpipe can seed; lock the CPU's
+    with _generators_guard:
+        found = _Generator(device)
+        return _generators.setdefault(found.key, found)
+
+
+def _generators_of(device: torch.device) -> tuple[_Generator, ...]:
+    """The generators a stage on ``device`` may draw from, in one global order (so that calls
+    holding several never wait on each other in a cycle)."""
+    found = {g.key: g for g in (_generator(device), _generator(_CPU))}
+    return tuple(found[key] for key in sorted(found))
 
 
 class StepSeed:
-    """Draws a step's seed from the caller's generators (unless the step already has one, as
-    in the second half of a step run in two calls), and restores them after the step."""
+    """Draws a step's seed from the caller's CPU generator (unless the step already has one, as
+    in the second half of a step run in two calls), and restores the generators after the
+    step. Both hold the generators alone, so concurrent steps never see a half-set state."""
 
     def __init__(self, devices: list[torch.device], seed: int | None = None) -> None:
-        self.generators = list({id(g): g for g in map(_generator, devices)}.values())
-        self.seed = int(torch.empty((), dtype=torch.int64).random_()) if seed is None else seed
-        self.states = [g.get_state() for g in self.generators]
+        self.generators = sorted({g.key: g for d in devices for g in _generators_of(d)}.values(),
+                                 key=lambda g: g.key)
+        with _holding(self.generators):
+            if seed is None:
+                seed = int(torch.empty((), dtype=torch.int64).random_())
+            self.states = [g.torch.get_state() for g in self.generators]
+        self.seed = seed
 
     def restore(self) -> None:
-        for g, state in zip(self.generators, self.states):
-            g.set_state(state)
+        with _holding(self.generators):
+            for g, state in zip(self.generators, self.states):
+                g.torch.set_state(state)
+
+
+class _holding:
+    """Hold ``generators`` exclusively (in their global order)."""
+
+    def __init__(self, generators: list[_Generator]) -> None:
+        self.generators = generators
+
+    def __enter__(self) -> None:
+        for g in self.generators:
+            g.lock.acquire(True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for g in reversed(self.generators):
+            g.lock.release(True)
 
 
 class RandomStages:
-    """Per stage and mode, whether it draws random numbers (``None`` until known)."""
+    """How each stage's calls run: seeded, or watched while it is seen not to draw.
 
-    def __init__(self, devices: list[torch.device]) -> None:
-        self.devices = devices
-        self.locks = [_lock(d) for d in devices]
-        self.draws: dict[tuple[int, bool], bool] = {}
+    ``draws[(stage, training, generator)]`` is what the stage's seeded calls showed: ``True``
+    once it drew (and for good), ``False`` while it never did, absent before its first call.
+    A stage is judged separately for inference and training (dropout draws only in training).
+    With ``concurrent=False`` every call is seeded and nothing needs learning.
+    """
 
-    def scope(self, seed: int, stage: int, microbatch: int,
-              training: bool) -> AbstractContextManager:
-        """Where (stage, micro-batch) runs: seeded under the lock, unless it never draws."""
-        draws = self.draws.get((stage, training))
-        if draws is False:
-            return _UNSEEDED
-        return self._seeded(seed, stage, microbatch, training, draws)
+    def __init__(self, devices: list[torch.device], concurrent: bool = True) -> None:
+        self.generators = [_generators_of(d) for d in devices]
+        self.concurrent = concurrent
+        self.draws: dict[tuple, bool] = {}
 
-    @contextmanager
-    def _seeded(self, seed: int, stage: int, microbatch: int, training: bool,
-                draws: bool | None) -> Iterator[None]:
-        generator = _generator(self.devices[stage])
-        with self.locks[stage]:
-            generator.manual_seed(_mix(seed, stage, microbatch))
-            if draws is None:
-                before = generator.get_state()
-            yield
-            if draws is None:
-                self.draws[(stage, training)] = not torch.equal(before, generator.get_state())
+    def scope(self, seed: int, stage: int, microbatch: int, training: bool,
+              seeded: bool = False) -> _Call:
+        """Where (stage, micro-batch) runs; ``seeded`` forces every generator to be seeded
+        (a step run again after :class:`UnseededDraws`)."""
+        return _Call(self, seed, stage, microbatch, training,
+                     seeded or not self.concurrent)
+
+
+class _Call:
+    """One call of a stage: holds, seeds or watches its generators, and learns from them."""
+
+    __slots__ = ("random", "seed", "stage", "microbatch", "training", "seeded", "held")
+
+    def __init__(self, random: RandomStages, seed: int, stage: int, microbatch: int,
+                 training: bool, seeded: bool) -> None:
+        self.random, self.seed, self.stage = random, seed, stage
+        self.microbatch, self.training, self.seeded = microbatch, training, seeded
+        self.held: list[tuple[_Generator, bool, bytes | None]] = []
+
+    def __enter__(self) -> None:
+        draws = self.random.draws
+        for i, g in enumerate(self.random.generators[self.stage]):
+            exclusive = self.seeded or draws.get((self.stage, self.training, g.key)) is not False
+            g.lock.acquire(exclusive)
+            if exclusive:
+                g.torch.manual_seed(_mix(self.seed, self.stage, self.microbatch, i))
+            # A seeded call compares only to learn; one that never needs to learn skips it.
+            learn = not exclusive or (self.random.concurrent and
+                                      draws.get((self.stage, self.training, g.key)) is not True)
+            self.held.append((g, exclusive, g.state() if learn else None))
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        unseeded = False
+        draws = self.random.draws
+        for g, exclusive, before in reversed(self.held):
+            if before is not None:
+                drew = g.state() != before
+                key = (self.stage, self.training, g.key)
+                if exclusive:
+                    draws[key] = drew or draws.get(key, False)
+                elif drew:
+                    unseeded = True
+            g.lock.release(exclusive)
+        self.held.clear()
+        if unseeded and exc_type is None:
+            raise UnseededDraws(self.stage, self.microbatch)

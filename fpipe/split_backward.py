@@ -70,6 +70,8 @@ class SplitVJP:
         self._cotangents = cotangents
         if not self.inputs:
             return []
+        if not self.outs:  # no output depends on anything differentiated
+            return [torch.zeros_like(x) for x in self.inputs]
         graph = None if GradientEdge is None else _Graph(self.outs, self.inputs, self.params)
         if graph is None or graph.entangled:
             # A parameter branch also reachable through another input-path node: resuming from
@@ -96,6 +98,8 @@ class SplitVJP:
         cotangents, self._cotangents = self._cotangents, None
         if self._fused is not None:
             return self._fused
+        if not self.params or not self.outs:  # a stage without parameters, or constant outputs
+            return [torch.zeros_like(p) for p in self.params]
         if not self.inputs:  # nothing was split off: the whole backward runs here
             return list(torch.autograd.grad(self.outs, self.params, cotangents,
                                             allow_unused=True, materialize_grads=True))

@@ -1,10 +1,11 @@
 """Worker threads and their inboxes: how the local driver runs workers concurrently.
 
-Threads are started once per pipeline, not per step, and the caller's own thread runs worker 0,
-so a one-worker program starts no thread at all. Torch kernels release the GIL, so workers on
-CPU stages really compute in parallel. A step that fails is aborted everywhere: every inbox
-wakes its waiter with :class:`Aborted`, each worker returns, and only then does the caller
-raise, so no thread is ever left blocked inside a step.
+Threads are started once per pipeline, not per step, and the caller's own thread runs one of
+the workers (worker 0, unless told otherwise), so a one-worker program starts no thread at
+all. Torch kernels release the GIL, so workers on CPU stages really compute in parallel. A
+step that fails is aborted everywhere: every inbox wakes its waiter with :class:`Aborted`,
+each worker returns, and only then does the caller raise, so no thread is ever left blocked
+inside a step.
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ class WorkerPool:
             self._threads.append(thread)
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
 
-    def run(self, jobs: list[Callable[[], None]], on_interrupt: Callable[[], None]) -> None:
-        """Run ``jobs[w]`` on worker ``w``; return when all have returned.
+    def run(self, jobs: list[Callable[[], None]], on_interrupt: Callable[[], None],
+            inline: int = 0) -> None:
+        """Run the ``n`` jobs at once, ``jobs[inline]`` in the calling thread and the others on
+        the pool's threads; return when all have returned.
 
         Jobs handle their own errors. If the caller is interrupted (KeyboardInterrupt) while
         running or waiting, ``on_interrupt`` aborts the step, the other workers are waited for,
@@ -83,11 +86,11 @@ class WorkerPool:
         """
         if self.n > 1 and not self._threads:
             self._start()
-        for job, inbox in zip(jobs[1:], self._jobs):
+        for job, inbox in zip(jobs[:inline] + jobs[inline + 1:], self._jobs):
             inbox.put(job)
         pending = self.n - 1
         try:
-            jobs[0]()
+            jobs[inline]()
             while pending:
                 self._done.get()
                 pending -= 1
@@ -97,6 +100,10 @@ class WorkerPool:
                 self._done.get()
                 pending -= 1
             raise
+
+    def runs_in(self, ident: int) -> bool:
+        """Whether the thread ``ident`` is one of the pool's."""
+        return any(thread.ident == ident for thread in self._threads)
 
     def close(self) -> None:
         """Stop the threads; the pool starts new ones if it is used again."""
