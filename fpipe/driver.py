@@ -244,8 +244,10 @@ class Interpreter:
                     target = step.targets[microbatch] if step.targets is not None else None
                     weight = step.weights[microbatch]
                     state = step.state[stage]
-                    with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 step.training, step.seeded), \
+                    dropped = code == _DROPPED and step.training  # to be recomputed
+                    with transport.compute(device), \
+                            random.scope(step.seed, stage, microbatch, step.training,
+                                         step.seeded, check=dropped) as drawing, \
                             _timed(clock, code, stage, microbatch, device):
                         if code != _DROPPED:
                             outs, step.state[stage], vjp_fn = call.forward_vjp(
@@ -256,8 +258,8 @@ class Interpreter:
                             outs, step.state[stage] = call.forward(
                                 step.params[stage], x, state, popped, target, weight,
                                 step.sizes[microbatch])
-                    if code == _DROPPED and step.training:
-                        step.saved[key] = (x, state, popped)
+                    if dropped:
+                        step.saved[key] = (x, state, popped, drawing.drew)
                     if stage == last:
                         step.outputs[microbatch] = (outs[0] if step.open_ended else
                                                     outs if step.training else outs[0].tree())
@@ -269,15 +271,22 @@ class Interpreter:
                                      ("s", name, microbatch), value)
                 elif code <= _RECOMPUTE_SPLIT:
                     # The inputs and state the forward saw, again; the new state is dropped.
-                    x, state, popped = step.saved.pop(key)
-                    with transport.compute(device), random.scope(step.seed, stage, microbatch,
-                                                                 True, step.seeded), \
+                    x, state, popped, drew = step.saved.pop(key)
+                    with transport.compute(device), \
+                            random.scope(step.seed, stage, microbatch, True, step.seeded,
+                                         check=True) as drawing, \
                             recomputing(), _timed(clock, code, stage, microbatch, device):
                         *_, vjp_fn = call.forward_vjp(
                             step.params[stage], x, state, popped,
                             step.targets[microbatch] if step.targets is not None else None,
                             step.weights[microbatch], step.sizes[microbatch],
                             split=code == _RECOMPUTE_SPLIT)
+                    if drawing.drew != drew:
+                        raise StageError(f"the stage drew random numbers in its "
+                                         f"{'forward' if drew else 'recompute'} but not in its "
+                                         f"{'recompute' if drew else 'forward'}, so the "
+                                         f"recompute cannot reproduce the forward: a stage must "
+                                         f"draw alike in both")
                     step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
                 elif code == _BACKWARD_WEIGHT:
                     with transport.compute(device), _timed(clock, code, stage, microbatch,

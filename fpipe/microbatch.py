@@ -54,6 +54,8 @@ def sizes(n: int, chunks: int) -> list[int]:
 def split(tree: Any, chunks: int, what: str = "input") -> list[Any]:
     """``chunks`` micro-batches of ``tree``; a batch smaller than ``chunks`` is an error."""
     n = batch_size(tree, what)
+    if n == 0:
+        raise BatchError(f"the {what} batch is empty: its tensors have 0 samples on dim 0")
     if n < chunks:
         raise BatchError(
             f"the {what} batch has {n} samples, fewer than chunks={chunks}: every micro-batch "

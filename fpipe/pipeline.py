@@ -160,7 +160,7 @@ class Pipeline:
         timeline."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
+        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state, training=True)
         if target is None:
             targets = [None] * self.chunks
         else:
@@ -193,7 +193,7 @@ class Pipeline:
         at leaves that carry no gradient. A stateful pipeline returns
         ``(y, vjp_fn, new_state)``.
         """
-        leaves, states, _, inputs, sizes = self._step_inputs(x, params, state)
+        leaves, states, _, inputs, sizes = self._step_inputs(x, params, state, training=True)
         step = self._driver.begin(self.program, leaves, states, inputs, sizes)
         outputs = step.outputs
         y = microbatch.join([out.tree() for out in outputs])
@@ -206,28 +206,21 @@ class Pipeline:
             used.append(True)
             pieces = microbatch.split(self._to(cotangent, self.devices[-1]), self.chunks,
                                       "cotangent")
-            cotangents = []
-            for out, piece in zip(outputs, pieces):
-                leaves_of = optree.tree_leaves(piece, none_is_leaf=True)
-                if len(leaves_of) != len(out.leaves):
-                    raise ValueError(f"the cotangent has {len(leaves_of)} leaves but the "
-                                     f"output has {len(out.leaves)}")
-                cotangents.append([leaves_of[i] for i in out.grad_index])
+            cotangents = [_output_cotangent(out, piece, m)
+                          for m, (out, piece) in enumerate(zip(outputs, pieces))]
             grads = self._grad_trees(self._driver.finish(self.program, step, cotangents).grads)
-            input_grads = []
-            for value, found in zip(inputs, step.input_grads):
-                full = [None] * len(value.leaves)
-                for i, grad in zip(value.grad_index, found):
-                    full[i] = grad
-                input_grads.append(optree.tree_unflatten(value.spec, full))
-            return grads, microbatch.join(input_grads)
+            return grads, _input_grads(inputs, step.input_grads)
 
         return (y, vjp_fn, step.state) if self.stateful else (y, vjp_fn)
 
     def _step_inputs(self, x: Any, params: Sequence[Any] | None,
-                     state: Sequence[Any] | None) -> tuple:
+                     state: Sequence[Any] | None, training: bool = False) -> tuple:
         """What every call starts from: parameter leaves, states, the batch size, the input's
         micro-batches (flattened, on the first stage's device) and their sizes."""
+        if training and torch.is_inference_mode_enabled():
+            raise RuntimeError("a training step cannot run under torch.inference_mode(): "
+                               "tensors made there take no part in autograd; call pipe(x) "
+                               "for a forward-only step")
         leaves, states = self._param_leaves(params), self._state(state)
         n = microbatch.batch_size(x, "input")
         inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
@@ -282,9 +275,53 @@ class Pipeline:
 
     @staticmethod
     def _to(tree: Any, device: torch.device) -> Any:
+        # Only a copy to a GPU may return before it lands: it is ordered on the caller's
+        # stream, which the step's streams wait for. A copy to the CPU must be complete when
+        # the CPU stage (or the caller) reads it.
+        non_blocking = device.type == "cuda"
         return optree.tree_map(
-            lambda leaf: leaf.to(device, non_blocking=True)
+            lambda leaf: leaf.to(device, non_blocking=non_blocking)
             if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+
+def _output_cotangent(out: Any, piece: Any, microbatch: int) -> list:
+    """The cotangents of one micro-batch's differentiable output leaves, from its piece of the
+    caller's cotangent (shaped like the output; ``None`` where a leaf gets no gradient).
+
+    A leaf without a batch dimension (a 0-dim tensor) is taken from micro-batch 0 when the
+    outputs are joined, so only micro-batch 0 receives its cotangent: given to every
+    micro-batch, its gradient would count ``chunks`` times."""
+    try:
+        leaves = out.spec.flatten_up_to(piece)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"the cotangent must have the structure of the output "
+                         f"({out.spec}): {exc}") from None
+    cotangents = []
+    for i in out.grad_index:
+        leaf, given = out.leaves[i], leaves[i]
+        if given is None or (microbatch > 0 and leaf.dim() == 0):
+            given = torch.zeros_like(leaf)
+        cotangents.append(given)
+    return cotangents
+
+
+def _input_grads(inputs: list, found: list) -> Any:
+    """The input's gradient for the whole batch, shaped like the input: batched leaves joined
+    along dim 0, a 0-dim tensor given to every micro-batch summed over them, ``None`` where
+    a leaf carries no gradient."""
+    columns: list[list] = [[None] * len(inputs) for _ in inputs[0].leaves]
+    for m, (value, grads) in enumerate(zip(inputs, found)):
+        for i, grad in zip(value.grad_index, grads):
+            columns[i][m] = grad
+    joined = []
+    for leaf, column in zip(inputs[0].leaves, columns):
+        if column[0] is None:
+            joined.append(None)
+        elif leaf.dim() == 0:
+            joined.append(torch.stack(column).sum(0))
+        else:
+            joined.append(torch.cat(column))
+    return optree.tree_unflatten(inputs[0].spec, joined)
 
 
 def _path(path: tuple) -> str:
@@ -307,6 +344,11 @@ def check_params(params: Mapping[int, Any],
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
                                 f"not a tensor: parameter leaves must be tensors")
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                raise TypeError(f"params[{s}]{_path(path)} is a {str(leaf.dtype)[6:]} tensor: "
+                                f"parameters are differentiated, so they must be "
+                                f"floating-point (pass integer tensors as state=, or close "
+                                f"over them in the stage)")
         _check_devices(s, tree, devices[s], "params", "parameter")
 
 

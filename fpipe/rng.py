@@ -181,35 +181,41 @@ class RandomStages:
         self.draws: dict[tuple, bool] = {}
 
     def scope(self, seed: int, stage: int, microbatch: int, training: bool,
-              seeded: bool = False) -> _Call:
+              seeded: bool = False, check: bool = False) -> _Call:
         """Where (stage, micro-batch) runs; ``seeded`` forces every generator to be seeded
-        (a step run again after :class:`UnseededDraws`)."""
+        (a step run again after :class:`UnseededDraws`). With ``check`` the call always finds
+        out whether it drew (``call.drew``): a forward and its recompute must agree."""
         return _Call(self, seed, stage, microbatch, training,
-                     seeded or not self.concurrent)
+                     seeded or not self.concurrent, check)
 
 
 class _Call:
     """One call of a stage: holds, seeds or watches its generators, and learns from them."""
 
-    __slots__ = ("random", "seed", "stage", "microbatch", "training", "seeded", "held")
+    __slots__ = ("random", "seed", "stage", "microbatch", "training", "seeded", "check", "held",
+                 "drew")
 
     def __init__(self, random: RandomStages, seed: int, stage: int, microbatch: int,
-                 training: bool, seeded: bool) -> None:
+                 training: bool, seeded: bool, check: bool) -> None:
         self.random, self.seed, self.stage = random, seed, stage
         self.microbatch, self.training, self.seeded = microbatch, training, seeded
+        self.check = check
         self.held: list[tuple[_Generator, bool, bytes | None]] = []
+        self.drew = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Call:
         draws = self.random.draws
         for i, g in enumerate(self.random.generators[self.stage]):
             exclusive = self.seeded or draws.get((self.stage, self.training, g.key)) is not False
             g.lock.acquire(exclusive)
             if exclusive:
                 g.torch.manual_seed(_mix(self.seed, self.stage, self.microbatch, i))
-            # A seeded call compares only to learn; one that never needs to learn skips it.
-            learn = not exclusive or (self.random.concurrent and
-                                      draws.get((self.stage, self.training, g.key)) is not True)
+            # A seeded call compares only to learn or check; when neither is needed, it skips.
+            learn = self.check or not exclusive or (
+                self.random.concurrent and
+                draws.get((self.stage, self.training, g.key)) is not True)
             self.held.append((g, exclusive, g.state() if learn else None))
+        return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         unseeded = False
@@ -217,6 +223,7 @@ class _Call:
         for g, exclusive, before in reversed(self.held):
             if before is not None:
                 drew = g.state() != before
+                self.drew = self.drew or drew
                 key = (self.stage, self.training, g.key)
                 if exclusive:
                     draws[key] = drew or draws.get(key, False)

@@ -112,6 +112,9 @@ def simulate(program: Program, costs: Costs | None = None) -> Simulation:
     The program is validated first (as an inference program if it holds only forwards).
     """
     costs = Costs() if costs is None else costs
+    if not isinstance(costs, Costs):
+        hint = f" (write Costs(**{costs!r}))" if isinstance(costs, dict) else ""
+        raise TypeError(f"costs must be a Costs value, got a {type(costs).__name__}{hint}")
     costs.check_stages(program.n_stages)
     training = any(a.op is not F for actions in program.workers for a in actions)
     validate(program, training=training)
