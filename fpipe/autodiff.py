@@ -219,9 +219,10 @@ class _Watch:
     def __init__(self, call: StageCall, params: list, state: Any, x: Value,
                  popped: tuple) -> None:
         self.call, self.params, self.state, self.x, self.popped = call, params, state, x, popped
+        # Inference tensors (made under torch.inference_mode) keep no version counter.
         self.tensors = [leaf for leaf in (*params, *optree.tree_leaves(state), *x.leaves,
                                           *(leaf for value in popped for leaf in value.leaves))
-                        if isinstance(leaf, torch.Tensor)]
+                        if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
         self.versions = [t._version for t in self.tensors]
 
     def check(self) -> None:

@@ -296,6 +296,12 @@ def _output_cotangent(out: Any, piece: Any, microbatch: int) -> list:
     except (ValueError, TypeError) as exc:
         raise ValueError(f"the cotangent must have the structure of the output "
                          f"({out.spec}): {exc}") from None
+    for i, given in enumerate(leaves):
+        if given is not None and not isinstance(given, torch.Tensor) and \
+                isinstance(out.leaves[i], torch.Tensor):
+            raise ValueError(f"the cotangent must have the structure of the output "
+                             f"({out.spec}); at a tensor of the output it has a "
+                             f"{type(given).__name__}")
     cotangents = []
     for i in out.grad_index:
         leaf, given = out.leaves[i], leaves[i]

@@ -77,3 +77,47 @@ def test_garbage_collected_pipeline_stops_its_threads():
     del pipe
     gc.collect()
     assert threading.active_count() == before
+
+
+def test_one_pipeline_called_from_two_threads_gives_each_its_own_results():
+    """A training loop and an evaluation thread on one pipeline: the calls are served one
+    after the other, each gets exactly what it would get alone, and nothing hangs."""
+    params = mlp_params(3)
+    xs = [torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+          for i in range(4)]
+    with fpipe.pipeline([block] * 3, params, schedule=one_f_one_b(chunks=4),
+                        loss_fn=mse) as pipe:
+        alone = {i: (pipe.value_and_grad(x, x), pipe(x)) for i, x in enumerate(xs)}
+        failures = []
+
+        def hammer(i):
+            try:
+                for _ in range(15):
+                    (loss, grads), y = pipe.value_and_grad(xs[i], xs[i]), pipe(xs[i])
+                    (loss0, grads0), y0 = alone[i]
+                    assert torch.equal(loss, loss0) and torch.equal(y, y0)
+                    for g, g0 in zip(grads, grads0):
+                        assert torch.equal(g["w"], g0["w"]) and torch.equal(g["b"], g0["b"])
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a call hung"
+        assert not failures, failures[0]
+
+
+def test_a_stage_calling_its_own_pipeline_is_refused_not_left_waiting():
+    pipes = []
+
+    def calls_back(p, x):
+        pipes[0](x)
+        return block(p, x)
+
+    with fpipe.pipeline([block, calls_back], mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        pipes.append(pipe)
+        with pytest.raises(RuntimeError, match="would wait for itself"):
+            pipe(torch.randn(4, 8, dtype=torch.float64))

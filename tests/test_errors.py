@@ -180,3 +180,85 @@ def test_base_exception_in_a_worker_thread_reaches_the_caller_as_itself():
             with pytest.raises(SystemExit, match="stage asked to exit") as info:
                 pipe(data()[0])
             assert fpipe.errors.where(info.value).stage == 1
+
+
+def test_last_stage_changing_the_batch_size_is_a_stage_error():
+    """Before, the loss was computed on the wrong rows (0.699 against 0.833)."""
+    def drops_a_row(p, x):
+        return block(p, x)[1:]
+    with fpipe.pipeline([block, drops_a_row], mlp_params(2), schedule=gpipe(chunks=2),
+                        loss_fn=lambda y, t: mse(y, t[: len(y)])) as pipe:
+        with pytest.raises(StageError, match=r"stage 1 .*micro-batch size 3"):
+            pipe.value_and_grad(*data())
+        with pytest.raises(StageError, match=r"stage 1 .*micro-batch size 3"):
+            pipe(data()[0])
+        with pytest.raises(StageError, match=r"stage 1 .*micro-batch size 3"):
+            pipe.vjp(data()[0])
+
+
+class Cursed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("make", [lambda: Cursed("sample 3"),
+                                  lambda: torch.OutOfMemoryError("CUDA OOM"), KeyboardInterrupt])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_stage_exception_keeps_its_type(make, stage):
+    """``except torch.OutOfMemoryError`` (or a user's type) still catches it, as with
+    torchgpipe; the stage, micro-batch and op are attached and noted. KeyboardInterrupt too,
+    in the caller's thread (stage 0) as in a worker's."""
+    error = make()
+    armed = {"on": True}
+
+    def raising(p, x):
+        if armed["on"] and x.shape[0] == 2:  # micro-batch 1 of 5, 3
+            raise error
+        return block(p, x)
+
+    stages = [block, block, block]
+    stages[stage] = raising
+    with fpipe.pipeline(stages, mlp_params(3), schedule=gpipe(chunks=2), loss_fn=mse) as pipe:
+        with pytest.raises(type(error)) as info:
+            pipe.value_and_grad(*data(5))
+        assert info.value is error
+        assert fpipe.errors.where(error) == fpipe.errors.Where(stage, 1, "forward")
+        assert f"fpipe: raised in stage {stage}, forward of micro-batch 1" in error.__notes__
+        armed["on"] = False
+        pipe.value_and_grad(*data(5))
+
+
+def test_empty_batch_says_so():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        with pytest.raises(BatchError, match="batch is empty"):
+            pipe(torch.empty(0, 8, dtype=torch.float64))
+
+
+def test_a_loss_that_needs_a_target_called_without_one_says_no_target_was_given():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2),
+                        loss_fn=lambda y, t: ((y - t) ** 2).mean()) as pipe:
+        with pytest.raises(TypeError) as info:
+            pipe.value_and_grad(data()[0])
+    assert any("no target was given" in note for note in info.value.__notes__)
+
+
+def test_integer_parameters_are_refused_at_construction():
+    params = mlp_params(2)
+    params[1]["n"] = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"params\[1\]\['n'\] is a int64 tensor.*floating"):
+        fpipe.pipeline([block] * 2, params, schedule=gpipe(chunks=1))
+
+
+def test_costs_given_as_a_dict():
+    from fpipe.schedules import simulate
+    with pytest.raises(TypeError, match=r"costs must be a Costs value, got a dict.*Costs\(\*\*"):
+        simulate(gpipe(chunks=2).program(2), {"forward": 1.0})
+
+
+def test_a_training_step_under_inference_mode_says_why_it_cannot_run():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2),
+                        loss_fn=mse) as pipe:
+        with torch.inference_mode():
+            with pytest.raises(RuntimeError, match="inference_mode"):
+                pipe.value_and_grad(*data())
+            y = pipe(data()[0])  # forward-only runs, in inference mode on every worker
+        assert y.is_inference()

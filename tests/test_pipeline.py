@@ -349,3 +349,27 @@ def test_autograd_vjp_draws_the_same_dropout_and_gives_the_same_gradients(remat)
 def test_unknown_autodiff_is_an_error():
     with pytest.raises(ValueError, match="autodiff must be 'func' or 'autograd'"):
         fpipe.pipeline([block], mlp_params(1), schedule=gpipe(1), autodiff="jax")
+
+
+@pytest.mark.parametrize("schedule", [gpipe(chunks=3), zero_bubble(chunks=3),
+                                      zero_bubble_v(chunks=3)])
+@pytest.mark.parametrize("autodiff", ["func", "autograd"])
+def test_a_stage_without_parameters(schedule, autodiff):
+    """A scaling stage with ``params = {}`` under every engine and split backward."""
+    def halve(p, x):
+        return x * 0.5
+
+    n = 4
+    stages = [block, halve, block, halve]
+    params = mlp_params(n)
+    params[1] = params[3] = {}
+    x, target = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
+    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse,
+                        autodiff=autodiff) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert grads[1] == {} and grads[3] == {}
+    for s in (0, 2):
+        for name in ("w", "b"):
+            torch.testing.assert_close(grads[s][name], expected_grads[s][name], **TIGHT)
