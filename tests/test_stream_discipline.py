@@ -1,0 +1,223 @@
+"""The stream discipline, shown on the CPU: every tensor op a worker runs is inside a scope.
+
+On CUDA a worker's kernels must go to streams that fpipe orders with events: the device's
+compute stream (``transport.compute(device)``) or, for values crossing devices, the copy
+streams (``transport.send`` / ``transport.receive``). An op outside both runs on the worker
+thread's default stream, which nothing orders against those streams: a race that a CPU test
+cannot show and a GPU shows only sometimes. The discipline itself can be checked anywhere,
+so this test checks it on the CPU, where every CUDA path of fpipe is the identity.
+
+What is checked, precisely: every aten op dispatched while a worker job runs, that is inside
+:meth:`fpipe.driver.Interpreter.run`, on whichever thread runs the job (worker 0 runs on the
+caller's thread). Each such op must run inside a compute scope or a copy. Ops the caller runs
+before and after the step (moving and splitting the batch, joining outputs, stacking losses,
+cloning gradients) are not worker ops: they run on the caller's current stream, which
+``Transport.begin_step`` / ``end_step`` order against the step's streams.
+
+How it is installed without touching the driver: ``fpipe.driver.Transport`` (which the
+``LocalDriver`` builds) is replaced by :class:`ScopedTransport`, which marks, per thread,
+when code is inside ``compute`` or a copy; and ``Interpreter.run`` is wrapped so that every job
+pushes an :class:`OpLog` dispatch mode for its whole duration. The checks also demand ops
+inside scopes (a stage's ``tanh`` per forward), so they cannot pass by seeing nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import block, mlp_params, mse
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fpipe
+import fpipe.driver
+from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
+from fpipe.stream import Transport
+
+FPIPE = Path(fpipe.__file__).resolve().parent
+D1 = "D1: accumulate and seed cotangent outside compute scope (driver fix pending)"
+
+_scope = threading.local()  # .kind: None, "compute" or "copy", per thread
+
+
+@contextlib.contextmanager
+def _in_scope(kind: str, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    """Mark this thread as inside ``kind`` for the duration of ``inner`` (nesting restores)."""
+    outer = getattr(_scope, "kind", None)
+    _scope.kind = kind
+    try:
+        with inner:
+            yield
+    finally:
+        _scope.kind = outer
+
+
+class ScopedTransport(Transport):
+    """A Transport that also tells, per thread, whether code runs in a compute scope or a copy
+    (on the CPU its streams are absent and every method is otherwise the base's)."""
+
+    def compute(self, device: torch.device) -> contextlib.AbstractContextManager:
+        return _in_scope("compute", super().compute(device))
+
+    def send(self, leaves: list, src: torch.device, dst: torch.device) -> tuple:
+        with _in_scope("copy", contextlib.nullcontext()):
+            return super().send(leaves, src, dst)
+
+    def receive(self, leaves: list, event, device: torch.device) -> list:
+        with _in_scope("copy", contextlib.nullcontext()):
+            return super().receive(leaves, event, device)
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    scope: str | None  # None: outside every scope
+    where: str  # file:function of the innermost fpipe (or test) frame that ran it
+    thread: str
+
+
+class OpLog(TorchDispatchMode):
+    """Records every op dispatched on this thread while pushed, with its scope. One instance
+    per job: a mode object must not be entered on several threads at once."""
+
+    def __init__(self, ops: list[Op]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(Op(str(func), getattr(_scope, "kind", None), _where(),
+                           threading.current_thread().name))
+        return func(*args, **(kwargs or {}))
+
+
+def _where() -> str:
+    """Where the op was called from: the innermost frame outside torch, as
+    ``fpipe/driver.py:accumulate``, followed by the innermost fpipe frame when that differs
+    (an op from a stage or a test: ``test.py:stray < fpipe/driver.py:_run``)."""
+    frames = []
+    frame = sys._getframe(2)  # past this function and __torch_dispatch__
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if FPIPE in path.parents and not frame.f_code.co_name.startswith("<"):  # not <listcomp>
+            frames.append(f"fpipe/{path.relative_to(FPIPE).as_posix()}:{frame.f_code.co_name}")
+            break
+        if (not frames and "torch" not in path.parts and path.name != "contextlib.py"
+                and FPIPE not in path.parents):
+            frames.append(f"{path.name}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(frames) or "?"
+
+
+@pytest.fixture
+def ops(monkeypatch) -> list[Op]:
+    """Installs the scoped transport and an op log in every worker job; yields the log."""
+    log: list[Op] = []
+    run = fpipe.driver.Interpreter.run
+
+    def logged_run(self, *args, **kwargs):
+        with OpLog(log):
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(fpipe.driver, "Transport", ScopedTransport)
+    monkeypatch.setattr(fpipe.driver.Interpreter, "run", logged_run)
+    return log
+
+
+def check_discipline(log: list[Op], forwards: int) -> None:
+    """Every worker op inside a scope, and at least ``forwards`` stage forwards seen inside
+    compute scopes (so the check cannot pass by seeing nothing)."""
+    inside = [op for op in log if op.scope == "compute"]
+    tanhs = sum(op.name == "aten.tanh.default" for op in inside)
+    assert tanhs >= forwards, f"saw {tanhs} stage forwards in compute scopes, expected " \
+                              f"{forwards}: is the op log installed in the workers?"
+    outside = sorted({(op.name, op.where) for op in log if op.scope is None})
+    assert not outside, "worker ops outside transport.compute / send / receive:\n" + \
+        "\n".join(f"  {name} at {where}" for name, where in outside)
+
+
+TRAINING = [
+    pytest.param(2, gpipe(chunks=3, remat="always"), None, id="gpipe-remat-always-2"),
+    pytest.param(4, gpipe(chunks=4), None, id="gpipe-except-last-4"),
+    pytest.param(3, one_f_one_b(chunks=4), None, id="1f1b-3"),
+    pytest.param(3, zero_bubble(chunks=4), None, id="zero-bubble-3"),
+    pytest.param(3, gpipe(chunks=2), torch.float64, id="gpipe-grad-dtype-3"),
+    pytest.param(2, zero_bubble(chunks=3), torch.float64, id="zero-bubble-grad-dtype-2"),
+]
+
+
+@pytest.mark.xfail(strict=True, reason=D1)
+@pytest.mark.parametrize("n_stages, schedule, grad_dtype", TRAINING)
+def test_training_ops_run_in_scopes(ops, n_stages, schedule, grad_dtype):
+    dtype = torch.float32 if grad_dtype is not None else torch.float64
+    params = mlp_params(n_stages, dtype=dtype)
+    x = torch.randn(8, 8, dtype=dtype)
+    with fpipe.pipeline([block] * n_stages, params, schedule=schedule, loss_fn=mse,
+                        grad_dtype=grad_dtype) as pipe:
+        _, grads = pipe.value_and_grad(x, x)
+    if grad_dtype is not None:
+        assert all(g.dtype == grad_dtype for tree in grads for g in tree.values())
+    check_discipline(ops, n_stages * schedule.chunks)
+
+
+def test_inference_ops_run_in_scopes(ops):
+    with fpipe.pipeline([block] * 3, mlp_params(3), schedule=gpipe(chunks=3),
+                        loss_fn=mse) as pipe:
+        pipe(torch.randn(6, 8, dtype=torch.float64))
+    check_discipline(ops, 3 * 3)
+
+
+def gpipe_module(chunks: int) -> fpipe.GPipe:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()).double()
+    return fpipe.GPipe(layers, balance=[2, 2], devices=["cpu", "cpu"], chunks=chunks)
+
+
+@pytest.mark.xfail(strict=True, reason=D1)
+def test_gpipe_module_backward_runs_in_scopes(ops):
+    """The module face: forwards in ``Pipeline.vjp``, the rest in its vjp function, called by
+    autograd from ``loss.backward()``."""
+    model = gpipe_module(chunks=3)
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    F.mse_loss(model(x), torch.zeros(6, 8, dtype=torch.float64)).backward()
+    assert x.grad is not None
+    check_discipline(ops, 2 * 3)
+
+
+def test_gpipe_module_forward_runs_in_scopes(ops):
+    model = gpipe_module(chunks=3)
+    model(torch.randn(6, 8, dtype=torch.float64, requires_grad=True))
+    check_discipline(ops, 2 * 3)
+
+
+def test_an_op_outside_every_scope_is_flagged(ops, monkeypatch):
+    """The check itself: an op a worker runs between actions (here in the output check the
+    driver makes after a forward, outside its compute scope) must be reported."""
+    real = fpipe.driver._check_output
+
+    def stray(out, size, what):
+        torch.zeros(()).add_(1)
+        return real(out, size, what)
+
+    monkeypatch.setattr(fpipe.driver, "_check_output", stray)
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        pipe(torch.randn(4, 8, dtype=torch.float64))
+    flagged = r"aten\.add_\.Tensor at test_stream_discipline\.py:stray < fpipe/driver\.py:_run"
+    with pytest.raises(AssertionError, match=flagged):
+        check_discipline(ops, 2 * 2)
+
+
+def test_ops_of_the_caller_are_not_checked(ops):
+    """Ops outside a worker job (the caller's, before and after a step) are not logged."""
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2)) as pipe:
+        pipe(torch.randn(4, 8, dtype=torch.float64))
+        n = len(ops)
+        torch.ones(3).add_(1)
+    assert n > 0 and len(ops) == n
