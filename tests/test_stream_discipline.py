@@ -221,3 +221,98 @@ def test_ops_of_the_caller_are_not_checked(ops):
         n = len(ops)
         torch.ones(3).add_(1)
     assert n > 0 and len(ops) == n
+
+
+# -- Transport.send's streams, with fake CUDA streams ------------------------------------------
+
+class FakeStream:
+    """Stands for a CUDA stream: logs what waits on what, and is made current per thread."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.stream = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.stream = stream
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A transport over fake streams for cuda:0 and cuda:1 (on the CPU), and the log of
+    waits and copies, each copy with the streams current on every device as it ran."""
+    log: list = []
+    current: dict[torch.device, FakeStream] = {}
+    transport = Transport([])
+    cuda = [torch.device("cuda", i) for i in range(2)]
+    transport.compute_streams = {d: FakeStream(f"compute:{d.index}", log) for d in cuda}
+    transport.copy_streams = {d: FakeStream(f"copy:{d.index}", log) for d in cuda}
+    device_of = {s: d for streams in (transport.compute_streams, transport.copy_streams)
+                 for d, s in streams.items()}
+
+    @contextlib.contextmanager
+    def stream(s: FakeStream):
+        device = device_of[s]
+        outer = current.get(device)
+        current[device] = s
+        try:
+            yield
+        finally:
+            current[device] = outer
+
+    def copy(leaf, dst, reader, blocking):
+        log.append(("copy", dst.type if dst.type == "cpu" else f"cuda:{dst.index}",
+                    dict(current), reader, blocking))
+        return leaf
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: current.get(d, "default"))
+    monkeypatch.setattr(fpipe.stream, "_copy", copy)
+    return transport, log
+
+
+def test_a_gpu_to_gpu_copy_runs_on_both_copy_streams(fake_cuda):
+    transport, log = fake_cuda
+    zero, one = torch.device("cuda", 0), torch.device("cuda", 1)
+    _, event = transport.send([torch.zeros(2)], zero, one)
+    (_, waiter, producer), (_, dst, streams, reader, blocking) = log
+    assert (waiter, producer) == ("copy:0", "compute:0")  # the copy waits for the producer
+    assert streams == {zero: transport.copy_streams[zero], one: transport.copy_streams[one]}
+    assert reader is transport.copy_streams[zero] and not blocking  # record_stream(copy:0)
+    assert event.stream is transport.copy_streams[one]  # where the consumer must wait
+    assert dst == "cuda:1"
+
+
+def test_a_gpu_to_cpu_copy_blocks(fake_cuda):
+    transport, log = fake_cuda
+    zero = torch.device("cuda", 0)
+    _, event = transport.send([torch.zeros(2)], zero, torch.device("cpu"))
+    (_, waiter, producer), (_, dst, streams, _, blocking) = log
+    assert (waiter, producer) == ("copy:0", "compute:0")
+    assert streams == {zero: transport.copy_streams[zero]} and blocking and event is None
+
+
+def test_a_cpu_to_gpu_copy_runs_on_the_destination_copy_stream(fake_cuda):
+    transport, log = fake_cuda
+    one = torch.device("cuda", 1)
+    _, event = transport.send([torch.zeros(2)], torch.device("cpu"), one)
+    ((_, dst, streams, reader, blocking),) = log
+    assert streams == {one: transport.copy_streams[one]} and reader is None and not blocking
+    assert event.stream is transport.copy_streams[one]
+
+
+def test_a_value_on_its_own_device_is_not_copied(fake_cuda):
+    transport, log = fake_cuda
+    leaves = [torch.zeros(2)]
+    moved, event = transport.send(leaves, torch.device("cuda", 0), torch.device("cuda", 0))
+    assert moved is leaves and event is None and not log
