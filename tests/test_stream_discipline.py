@@ -316,3 +316,85 @@ def test_a_value_on_its_own_device_is_not_copied(fake_cuda):
     leaves = [torch.zeros(2)]
     moved, event = transport.send(leaves, torch.device("cuda", 0), torch.device("cuda", 0))
     assert moved is leaves and event is None and not log
+
+
+# -- The recorder's CUDA events, with fake events ----------------------------------------------
+
+class FakeTimingEvent:
+    """Stands for a CUDA timing event: its place in one global order of records stands for
+    the moment it executes (fake streams run what they are given in order)."""
+
+    def __init__(self, enable_timing: bool = False, order: list | None = None) -> None:
+        self.order, self.stream, self.waited = order, None, False
+
+    def record(self, stream: str) -> None:
+        self.stream = stream
+        self.order.append(self)
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+    def elapsed_time(self, later: FakeTimingEvent) -> float:
+        return float(self.order.index(later) - self.order.index(self)) * 1e3
+
+
+@pytest.fixture
+def fake_events(monkeypatch):
+    """Fake timing events, with the current stream per thread (``thread.stream``)."""
+    order: list = []
+    current = threading.local()
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False:
+                        FakeTimingEvent(enable_timing, order))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: getattr(current, "stream", "caller"))
+    return order, current
+
+
+def test_the_recorder_origin_is_waited_for_before_any_span(fake_events):
+    order, current = fake_events
+    zero = torch.device("cuda", 0)
+    action = fpipe.schedules.Action(0, fpipe.schedules.Op.FORWARD, 0)
+    clock = fpipe.Recorder().clock((0,), 1, [zero])
+    origin = clock.origins[zero]
+    assert origin.stream == "caller" and origin.waited and order == [origin]
+    current.stream = "compute:0"
+    with clock.span(action, zero):
+        pass
+    assert [e.stream for e in order] == ["caller", "compute:0", "compute:0"]
+    clock.finish()
+    ((span,),) = clock.recorder.timeline
+    assert 0 < span.start <= span.end
+
+
+def test_spans_of_workers_sharing_a_device_do_not_overlap(fake_events):
+    """Two workers' actions on one device: each action's kernels lie between its own start
+    and end events in the stream's order, so the spans are disjoint."""
+    order, current = fake_events
+    zero = torch.device("cuda", 0)
+    clock = fpipe.Recorder().clock((0, 1), 2, [zero, zero])
+    kernels: dict = {}
+
+    def worker(stage: int) -> None:
+        current.stream = "compute:0"
+        for m in range(20):
+            with clock.span(fpipe.schedules.Action(stage, fpipe.schedules.Op.FORWARD, m), zero):
+                for _ in range(3):  # kernels enqueued by the action, other threads between
+                    kernel = torch.cuda.Event()
+                    kernel.record("compute:0")
+                    kernels[kernel] = (stage, m)
+                    threading.Event().wait(1e-4)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    clock.finish()
+    spans = sorted((span for spans in clock.recorder.timeline for span in spans),
+                   key=lambda span: span.start)
+    assert len(spans) == 40
+    for span, after in zip(spans, spans[1:]):
+        assert span.end <= after.start, f"{span.action} overlaps {after.action}"
+    for span in spans:  # its own kernels, and only those, lie inside it
+        inside = {kernels[e] for e in order[int(span.start) + 1:int(span.end)]}
+        assert inside == {(span.action.stage, span.action.microbatch)}
