@@ -8,6 +8,7 @@ never held by the pipeline: a step without one costs no clock reads.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -28,8 +29,10 @@ class Recorder:
     start, in the worker's order, the shape of a simulation's timeline. A span covers the
     action's compute, from after its inputs arrived to its end: waiting is idle time, as in the
     simulator. On the CPU times come from the host clock; on CUDA from events recorded on each
-    device's compute stream, read once the step has ended. A distributed rank records only its
-    own worker; the other workers' tuples are empty.
+    device's compute stream, read once the step has ended. A recorded CUDA step starts with
+    one host wait (see :class:`StepClock`), and the actions of one device are enqueued one at a
+    time, so that its spans do not overlap. A distributed rank records only its own worker; the
+    other workers' tuples are empty.
     """
 
     def __init__(self) -> None:
@@ -48,7 +51,19 @@ class Recorder:
 
 
 class StepClock:
-    """One step's clock: marks from worker threads, turned into spans at the end."""
+    """One step's clock: marks from worker threads, turned into spans at the end.
+
+    On CUDA, two rules make the spans true (see :class:`_Span` for the second):
+
+    - The origin comes first. Spans are recorded on the compute streams, not on the stream the
+      origin is recorded on, so the origin event is *waited for on the host* before the step
+      starts: every event recorded afterwards, on any stream, executes after it, whatever
+      order the driver gives the streams, so no span starts before 0. The host clock's origin
+      is read after that wait, so every device's origin and the CPU's are one moment (to a
+      kernel launch), and spans of CPU stages and of several devices can be compared. The
+      cost: a recorded step first waits for what the caller had enqueued.
+    - Spans sharing a stream do not overlap: a device's actions are enqueued one at a time.
+    """
 
     def __init__(self, recorder: Recorder, placement: tuple, n_workers: int,
                  devices: list[torch.device]) -> None:
@@ -56,8 +71,10 @@ class StepClock:
         self.placement = placement
         self.marks: list[list[tuple]] = [[] for _ in range(n_workers)]
         self.cuda = {d for d in devices if d.type == "cuda"}
-        # Every device's origin is taken at the same host moment; CUDA events count from it.
+        self.locks = {d: threading.Lock() for d in self.cuda}
         self.origins = {d: _event(d) for d in self.cuda}
+        for origin in self.origins.values():
+            origin.synchronize()
         self.origin = time.perf_counter()
 
     def now(self, device: torch.device) -> Any:
@@ -83,22 +100,46 @@ class StepClock:
 
 
 class _Span:
-    __slots__ = ("clock", "action", "device", "start")
+    """One action's span. On CUDA it holds its device's lock from its start event to its end
+    event: the actions of workers sharing a device share its compute stream, and without the
+    lock their kernels and events would interleave there (start A, start B, kernels of A, end
+    A, kernels of B, end B), so spans would overlap though the stream ran them one after the
+    other. With it, each action's kernels lie between its own two events on the stream.
+
+    It must be an action's innermost context: nothing inside it may wait for another worker
+    (which could be waiting for this lock). Waiting for inputs happens before it starts."""
+
+    __slots__ = ("clock", "action", "device", "start", "lock")
 
     def __init__(self, clock: StepClock, action: Action, device: torch.device) -> None:
         self.clock, self.action, self.device = clock, action, device
+        self.lock = clock.locks.get(device)
 
     def __enter__(self) -> None:
-        self.start = self.clock.now(self.device)
+        if self.lock is not None:
+            self.lock.acquire()
+        try:
+            self.start = self.clock.now(self.device)
+        except BaseException:
+            self._release()
+            raise
 
     def __exit__(self, error_type: Any, *_: Any) -> None:
-        if error_type is None:
-            clock = self.clock
-            clock.marks[clock.placement[self.action.stage]].append(
-                (self.action, self.device, self.start, clock.now(self.device)))
+        try:
+            if error_type is None:
+                clock = self.clock
+                clock.marks[clock.placement[self.action.stage]].append(
+                    (self.action, self.device, self.start, clock.now(self.device)))
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _event(device: torch.device) -> torch.cuda.Event:
+    """A timing event on ``device``'s current stream: in an action, its compute stream."""
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(device))
     return event
