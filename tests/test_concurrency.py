@@ -121,3 +121,41 @@ def test_a_stage_calling_its_own_pipeline_is_refused_not_left_waiting():
         pipes.append(pipe)
         with pytest.raises(RuntimeError, match="would wait for itself"):
             pipe(torch.randn(4, 8, dtype=torch.float64))
+
+
+def test_the_backward_half_runs_the_last_stage_in_the_calling_thread():
+    """``fpipe.GPipe``'s backward runs on autograd's thread for the output's device; every vjp
+    on that device needs that thread, so the last stage's worker must run there rather than
+    wait for it (on CUDA the wait would be for itself: a hang)."""
+    seen = {}
+
+    class Where(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["backward"] = threading.get_ident()
+            return grad
+
+    def last(p, x):
+        return Where.apply(block(p, x))
+
+    with fpipe.pipeline([block, last], mlp_params(2), schedule=gpipe(chunks=2),
+                        autodiff="autograd") as pipe:
+        y, vjp_fn = pipe.vjp(torch.randn(4, 8, dtype=torch.float64))
+        caller = {}
+
+        def backward():
+            caller["id"] = threading.get_ident()
+            vjp_fn(torch.ones_like(y))
+
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join(timeout=60)
+    assert seen["backward"] == caller["id"]

@@ -1,0 +1,91 @@
+"""The caller's thread-local state reaches every worker: ``with torch.autocast(...)`` around a
+step casts in every stage, as if the step ran in the caller's thread."""
+
+from __future__ import annotations
+
+import threading
+
+import optree
+import pytest
+import torch
+from models import block, mlp_params, mse, whole_batch
+
+import fpipe
+from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
+
+BF16 = dict(rtol=2e-2, atol=2e-2)
+
+
+def data(n=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)
+
+
+@pytest.mark.parametrize("schedule", [gpipe(chunks=4), one_f_one_b(chunks=4, remat="always"),
+                                      zero_bubble(chunks=4)])
+def test_autocast_around_a_step_casts_in_every_stage(schedule):
+    """Before: stage 1 ran in a worker without autocast and failed on stage 0's bfloat16
+    output (``expected m1 and m2 to have the same dtype``)."""
+    dtypes = {}
+
+    def recording(s):
+        def stage(p, x):
+            h = x @ p["w"]  # what autocast casts
+            dtypes[s, threading.current_thread().name] = h.dtype
+            return torch.tanh(h + p["b"])
+        return stage
+
+    stages = [recording(s) for s in range(3)]
+    params = mlp_params(3, dtype=torch.float32)
+    x, target = data()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss, expected_grads = whole_batch(stages, params, x, target, mse)
+    dtypes.clear()
+    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse) as pipe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, grads = pipe.value_and_grad(x, target)
+            pipe(x)
+        assert set(dtypes.values()) == {torch.bfloat16}
+        assert len({name for _, name in dtypes}) == 3  # on three threads
+        dtypes.clear()
+        pipe(x)  # outside autocast, nothing is carried
+        assert set(dtypes.values()) == {torch.float32}
+    torch.testing.assert_close(loss, expected_loss, **BF16)
+    for g, e in zip(optree.tree_leaves(grads), optree.tree_leaves(expected_grads)):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, e, **BF16)
+
+
+def test_the_module_face_under_autocast():
+    """``fpipe.GPipe``: the forward under autocast, ``backward()`` outside it, as torch's AMP
+    recipe has it; the recomputes run under the forward's autocast state."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    reference = torch.nn.Sequential(*[torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                      torch.nn.Linear(8, 8)])
+    reference.load_state_dict(layers.state_dict())
+    model = fpipe.GPipe(layers, balance=[2, 1], chunks=4, checkpoint="always")
+    x, target = data()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+        y_ref = reference(x)
+    assert y.dtype == torch.bfloat16
+    torch.nn.functional.mse_loss(y.float(), target).backward()
+    torch.nn.functional.mse_loss(y_ref.float(), target).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **BF16)
+
+
+def test_the_readme_bf16_snippet_runs_as_written():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = re.search(r"## Example\n\n```python\n(.*?)```", text, re.S).group(1)
+    section = text[text.index("## Mixed precision"):text.index("## Optimizers")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), namespace)
