@@ -146,6 +146,26 @@ SLEEPY_SCHEDULES = [gpipe(chunks=4, remat="always"), one_f_one_b(chunks=4),
                     zero_bubble(chunks=4)]
 
 
+def test_a_cuda_stage_drawing_from_the_cpu_generator_is_reproduced():
+    """torchgpipe saves and restores both generators; fpipe seeds both for a CUDA stage."""
+    def cpu_noise_block(p, x):
+        noise = torch.rand(x.shape, dtype=x.dtype).to(x.device)  # drawn on the CPU
+        return block(p, x) * noise
+
+    params = to(mlp_params(3), ["cuda:0"] * 3)
+    x = torch.randn(8, 8, dtype=torch.float64, device="cuda:0")
+    results = []
+    for remat in ("never", "always"):
+        with fpipe.pipeline([block, cpu_noise_block, block], params,
+                            schedule=gpipe(chunks=4, remat=remat), loss_fn=mse) as pipe:
+            torch.manual_seed(0)
+            results.append(pipe.value_and_grad(x, x))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for a, b in zip(optree.tree_leaves(grads_a), optree.tree_leaves(grads_b)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("devices", [["cuda:0"] * 3, ["cpu", "cuda:0", "cuda:0"],
                                      ["cuda:0", "cpu", "cuda:0"]])
