@@ -135,6 +135,9 @@ class DistributedPipeline:
     rank that holds it and ``None`` elsewhere. Only the rank of stage 0 needs ``x`` and only the
     rank of the last stage needs ``target``; the others pass ``None`` and learn the batch size
     (and the step's random seed) from the rank of stage 0.
+
+    Calls are collective: every rank makes the same ones in the same order, from one thread (a
+    call while another is running raises ``RuntimeError``).
     """
 
     def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
@@ -357,11 +360,9 @@ class DistributedPipeline:
                    f"the batch size from rank {first}", first)
         n, seed, *theirs = header.tolist()
         if tuple(theirs) != call:
-            def called(training: int, count: int) -> str:
-                return f"{'value_and_grad' if training else 'inference'} (call {count})"
-            raise RuntimeError(f"rank {self.rank} was called for {called(*call)} but rank "
-                               f"{first} for {called(*theirs)}: every rank must make the same "
-                               f"calls in the same order")
+            raise RuntimeError(f"rank {self.rank} was called for {_call_name(*call)} but rank "
+                               f"{first} for {_call_name(*theirs)}: every rank must make the "
+                               f"same calls in the same order")
         return n, seed
 
     def _finish(self, step: Step, last: int, training: bool) -> torch.Tensor | None:
@@ -580,6 +581,10 @@ def _at_rank(error: BaseException, rank: int) -> BaseException:
         except (AttributeError, TypeError):
             pass
     return error
+
+
+def _call_name(training: int, count: int) -> str:
+    return f"{'value_and_grad' if training else 'inference'} (call {count})"
 
 
 def _stage_failure(type_name: str, message: str, at: Where) -> str:
