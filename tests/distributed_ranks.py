@@ -78,8 +78,7 @@ def _main(scenario: str, rank: int, world: int, port: int, queue, backend: str,
     except BaseException:
         result = {"crash": traceback.format_exc()}
     queue.put((rank, pickle.dumps(result)))
-    if backend == "nccl" and "crash" not in result:
-        dist.destroy_process_group()  # NCCL warns (or worse) about communicators left at exit
+    dist.destroy_process_group()  # every group, before the interpreter's teardown
 
 
 # -- models --------------------------------------------------------------------------------------
