@@ -6,17 +6,38 @@ ranks as point-to-point messages, each a length, a pickled header (key, tree str
 dtypes and non-tensor leaves) and the tensor leaves. Nothing about shapes is frozen, so they may
 change from step to step.
 
-Why no program deadlocks: sends are posted with ``isend`` and completed only at the end of the
-step, so a rank never waits for anyone to receive. Messages from one rank to another are read
-in the order they were sent (a rank that needs a later one reads and keeps the earlier ones),
-which is how both gloo and NCCL match them. A rank therefore waits only for values its own
-actions need, and the validator's global order guarantees they come.
+Why no program deadlocks, on gloo and on NCCL alike (the code is the same): every ordered pair
+of ranks that exchanges values, ``a -> b``, has a process group of its own that carries only
+``a``'s messages to ``b``. Sends are posted with ``isend`` and completed only at the end of the
+step, so a rank's host never waits for anyone to receive; a rank reads the messages from
+another in the order they were sent (keeping those that came early), and so waits only for
+values its own actions need, which the validator's global order guarantees will come. On NCCL
+the kernels of one communicator run in order on one stream, and a send kernel larger than
+NCCL's buffers blocks its stream until the peer's receive runs. With a single group, 1F1B's
+``send(x); recv(g)`` on one rank and ``send(g); recv(x)`` on the other would put each receive
+behind a send that waits for it. Here a group's stream holds only sends on one side and only
+receives on the other, whether torch gives unbatched p2p a two-rank communicator per pair (its
+default) or the group's own (eager initialisation), so no receive ever queues behind a send.
 
-Failure: every wait is bounded by ``timeout``. A rank that fails writes what happened (rank,
-stage, micro-batch, message) to the process group's store and aborts fpipe's process group,
-which wakes every rank blocked on it; they read the store and raise the same
-:class:`~fpipe.StageError`, and abort in turn, so the whole pipeline stops. A dead or silent rank
-surfaces as :class:`~fpipe.errors.PeerError`. After a failure the pipeline cannot run again.
+Not ``batch_isend_irecv``: pairing a send with the peer's receive in one batch needs the
+receiver to know the shapes before posting, which changing shapes forbid (they travel in the
+header), and holding a send back until the next receive can deadlock whenever that receive
+waits for a value the peer can only produce from the held-back one (an interleaved or
+zero-bubble program, a skip between non-neighbours). NCCL creates a communicator the first time
+a pair uses it, blocking both hosts until both arrive; every group is therefore connected when
+the pipeline is built, one pair after another in the same order on every rank.
+
+Failure: every wait is bounded by ``timeout``. A rank whose stage raises re-raises the stage's
+own exception (fpipe's own detections are :class:`~fpipe.StageError`), its rank recorded in
+:func:`fpipe.errors.where`. It writes what happened (rank, stage, micro-batch, op, the
+exception's type and message) to the process group's store and aborts fpipe's process groups,
+which wakes every rank blocked on it; they read the store, raise a :class:`~fpipe.StageError`
+naming all that, and abort in turn, so the whole pipeline stops. A dead or silent rank surfaces
+as :class:`~fpipe.errors.PeerError`. After a failure the pipeline cannot run again.
+
+A pipeline runs one step at a time: a call made while another thread's call is running is
+refused, since two threads' calls could not be ordered alike on every rank. Each step's header
+carries what the rank of stage 0 was called for, so ranks called differently raise, not mix.
 """
 
 from __future__ import annotations
@@ -24,6 +45,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -35,7 +57,7 @@ import torch.distributed as dist
 from fpipe import microbatch
 from fpipe.autodiff import Value, flatten
 from fpipe.driver import Interpreter, Step, compiled
-from fpipe.errors import BatchError, PeerError, PlacementError, StageError
+from fpipe.errors import BatchError, PeerError, PlacementError, StageError, Where, where
 from fpipe.pipeline import check_params, check_state, stage_devices
 from fpipe.rng import StepSeed
 from fpipe.schedules.actions import Program, program_of
@@ -113,6 +135,9 @@ class DistributedPipeline:
     rank that holds it and ``None`` elsewhere. Only the rank of stage 0 needs ``x`` and only the
     rank of the last stage needs ``target``; the others pass ``None`` and learn the batch size
     (and the step's random seed) from the rank of stage 0.
+
+    Calls are collective: every rank makes the same ones in the same order, from one thread (a
+    call while another is running raises ``RuntimeError``).
     """
 
     def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
@@ -155,13 +180,16 @@ class DistributedPipeline:
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             autodiff=autodiff)
         backend = backend_for(self.device)
-        self.wire = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-            else torch.device("cpu")
-        # fpipe's own group: aborting it on failure leaves the caller's group to the caller.
+        # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
+        self.wire = self.device if backend == "nccl" else torch.device("cpu")
+        # fpipe's own groups: aborting them on failure leaves the caller's group to the caller.
         self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
+        self.links = self._links(backend)
         self.store = dist.distributed_c10d._get_default_store()
         self.failure_key = f"fpipe/pipeline{next(_created)}/failure"
         self.broken: BaseException | None = None
+        self._running = threading.Lock()
+        self._calls = 0
 
     @property
     def chunks(self) -> int:
@@ -218,11 +246,60 @@ class DistributedPipeline:
         return (f"DistributedPipeline(rank {self.rank} of {self.program.n_workers}, stages "
                 f"{list(self.stages_held)} on {self.device}, schedule={self.program!r})")
 
+    # -- links between ranks ------------------------------------------------------------------
+
+    def _links(self, backend: str) -> dict[tuple[int, int], Any]:
+        """``{(src, dst): group}`` for the ordered pairs of ranks this rank sends or receives
+        on: a group per direction of every pair the program's values cross (see the module's
+        docstring for why), made by every rank in the same order, as ``new_group`` needs."""
+        owners = self.program.placement
+        pairs = {(owners[s - 1], owners[s]) for s in range(1, self.program.n_stages)}
+        pairs |= {(owners[a], owners[b]) for a, b in self.interpreter.routes.values()}
+        ordered = sorted({p for a, b in pairs if a != b for p in ((a, b), (b, a))})
+        links = {}
+        for src, dst in ordered:
+            group = dist.new_group([src, dst], backend=backend,
+                                   timeout=timedelta(seconds=self.timeout))
+            if self.rank in (src, dst):
+                links[src, dst] = group
+        self._connect(links)
+        return links
+
+    def _connect(self, links: dict[tuple[int, int], Any]) -> None:
+        """One small message over each link, in the same order on every rank: a communicator
+        NCCL creates lazily blocks both hosts until both join, which mid-step could wait on a
+        value the other rank has yet to compute. In this order, the first unconnected pair
+        always has both its ranks there, so every pair connects."""
+        token = torch.zeros(1, device=self.wire)
+        for src, dst in sorted(links):
+            peer = dst if src == self.rank else src
+            post = dist.isend if src == self.rank else dist.irecv
+            try:
+                post(token, peer, group=links[src, dst]).wait(timedelta(seconds=self.timeout))
+            except Exception as exc:
+                raise PeerError(f"rank {self.rank} could not reach rank {peer} while building "
+                                f"the pipeline: {exc}", peer) from exc
+
     # -- one step ------------------------------------------------------------------------------
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
               record: Recorder | None) -> tuple[Step, torch.Tensor | None]:
+        """One step, alone: a second thread's call while one runs is refused rather than
+        queued, since nothing could make two threads' calls reach every rank in one order."""
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError("this distributed pipeline is already running a step on another "
+                               "thread; its calls are collective, so make them from one thread, "
+                               "in the same order on every rank")
+        try:
+            self._calls += 1
+            return self._step_alone(program, training, x, target, params, state, record)
+        finally:
+            self._running.release()
+
+    def _step_alone(self, program: Program, training: bool, x: Any, target: Any,
+                    params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
+                    record: Recorder | None) -> tuple[Step, torch.Tensor | None]:
         if self.broken is not None:
             raise RuntimeError("this distributed pipeline stopped after a failure and cannot "
                                "run again; restart the job") from self.broken
@@ -231,7 +308,8 @@ class DistributedPipeline:
         owners = program.placement
         seed = StepSeed([self.device])
         try:
-            n, seed_value = self._guarded(lambda: self._batch_header(x, owners[0], seed.seed))
+            n, seed_value = self._guarded(
+                lambda: self._batch_header(x, owners[0], seed.seed, training))
             if n < self.chunks:  # every rank knows n, so every rank raises this by itself
                 raise BatchError(f"the input batch has {n} samples, fewer than chunks="
                                  f"{self.chunks}: every micro-batch needs at least one sample")
@@ -263,23 +341,28 @@ class DistributedPipeline:
         if self.broken is not None:  # another rank failed while this one waited
             raise self.broken
         if step.error is not None:
-            step.error.rank = self.rank
-            raise step.error
+            raise _at_rank(step.error, self.rank)
         channel.flush()
         if clock is not None:
             clock.finish()
         return step, self._finish(step, owners[last], training)
 
-    def _batch_header(self, x: Any, first: int, seed: int) -> tuple[int, int]:
-        """The batch size and the step's seed, from the rank of stage 0 to all."""
-        header = torch.zeros(2, dtype=torch.int64, device=self.wire)
+    def _batch_header(self, x: Any, first: int, seed: int, training: bool) -> tuple[int, int]:
+        """The batch size and the step's seed, from the rank of stage 0 to all, with what that
+        rank was called for: ranks whose calls differ stop rather than exchange wrong values."""
+        call = (int(training), self._calls)
+        header = torch.zeros(4, dtype=torch.int64, device=self.wire)
         if self.rank == first:
             if x is None:
                 raise BatchError(f"rank {self.rank} holds stage 0, so it needs the input x")
-            header[0], header[1] = microbatch.batch_size(x, "input"), seed
+            header[:] = torch.tensor([microbatch.batch_size(x, "input"), seed, *call])
         self._wait(dist.broadcast(header, first, group=self.group, async_op=True),
                    f"the batch size from rank {first}", first)
-        n, seed = header.tolist()
+        n, seed, *theirs = header.tolist()
+        if tuple(theirs) != call:
+            raise RuntimeError(f"rank {self.rank} was called for {_call_name(*call)} but rank "
+                               f"{first} for {_call_name(*theirs)}: every rank must make the "
+                               f"same calls in the same order")
         return n, seed
 
     def _finish(self, step: Step, last: int, training: bool) -> torch.Tensor | None:
@@ -317,11 +400,14 @@ class DistributedPipeline:
         is one, else what this rank saw."""
         record = self._published()
         if record is not None:
-            kind, rank, f_stage, f_mb, op, message = record
-            message = (f"rank {rank} failed, so rank {self.rank} stopped while waiting for "
-                       f"{what}: {message}")
-            error: Exception = StageError(message, f_stage, f_mb, op, rank) \
-                if kind == "stage" else PeerError(message, rank, f_stage, f_mb)
+            kind, rank, f_stage, f_mb, op, type_name, message = record
+            said = f"rank {rank} failed, so rank {self.rank} stopped while waiting for {what}: "
+            if kind == "stage":
+                error: Exception = StageError(
+                    said + _stage_failure(type_name, message, Where(f_stage, f_mb, op)),
+                    f_stage, f_mb, op, rank)
+            else:
+                error = PeerError(f"{said}{type_name}: {message}", rank, f_stage, f_mb)
         elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             error = PeerError(f"rank {self.rank} waited {self.timeout:g} s for {what} and got "
                               f"nothing: rank {peer} is stuck or gone", peer, stage, mb)
@@ -340,19 +426,27 @@ class DistributedPipeline:
         return None
 
     def _stop_everyone(self, error: BaseException) -> None:
-        """Publish ``error`` unless a failure is already known, then abort fpipe's group,
-        which wakes every rank blocked on this one."""
+        """Publish ``error`` unless a failure is already known, then abort fpipe's groups,
+        which wakes every rank blocked on this one.
+
+        A failure located in a stage (:func:`~fpipe.errors.where`: the stage's own exception
+        or a :class:`StageError`) is published as a stage failure of the rank where it was
+        raised; anything else as this rank's failure. Either keeps the type and message."""
         self.broken = error
-        rank = error.rank if isinstance(error, StageError) and error.rank is not None \
-            else self.rank
-        record = ("stage" if isinstance(error, StageError) else "peer", rank,
-                  getattr(error, "stage", None),
-                  getattr(error, "microbatch", None), getattr(error, "op", None), str(error))
+        at = where(error)
+        if at is not None:
+            record = ("stage", self.rank if at.rank is None else at.rank, at.stage,
+                      at.microbatch, at.op)
+        else:
+            record = ("peer", self.rank, getattr(error, "stage", None),
+                      getattr(error, "microbatch", None), None)
+        record += (type(error).__name__, str(error))
         try:
             self.store.compare_set(self.failure_key, "", pickle.dumps(record))
         except Exception:  # noqa: BLE001, S110 - best effort: the abort below still wakes peers
             pass
-        dist.distributed_c10d._abort_process_group(self.group)
+        for group in (self.group, *self.links.values()):
+            dist.distributed_c10d._abort_process_group(group)
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -384,7 +478,8 @@ class DistributedPipeline:
 
 class _RankChannel:
     """This rank's messages for one step: sends posted at once and completed at the end;
-    receives read in order from the sending rank, keeping values that came early."""
+    receives read in order from the sending rank, keeping values that came early. Each goes
+    on the group of its direction, ``pipe.links[src, dst]``."""
 
     def __init__(self, pipe: DistributedPipeline, owners: tuple) -> None:
         self.pipe = pipe
@@ -399,7 +494,7 @@ class _RankChannel:
             self.arrived[key] = leaves if like is None else Value(leaves, like.spec,
                                                                   like.grad_index)
             return
-        wire, group = self.pipe.wire, self.pipe.group
+        wire, group = self.pipe.wire, self.pipe.links[self.pipe.rank, dst]
         tensors = [leaf.detach().to(wire).contiguous() for leaf in leaves
                    if isinstance(leaf, torch.Tensor)]
         header = pickle.dumps((
@@ -440,7 +535,7 @@ class _RankChannel:
         return self.owners[stasher if kind == "s" else popper]
 
     def _read_next(self, src: int, awaited: tuple) -> None:
-        wire, group = self.pipe.wire, self.pipe.group
+        wire, group = self.pipe.wire, self.pipe.links[src, self.pipe.rank]
         what = _describe_key(awaited) + f" from rank {src}"
 
         def wait(work: Any) -> None:
@@ -473,6 +568,32 @@ class _RankChannel:
             self.pipe._wait(work, f"rank {dst} to take {_describe_key(key)}", dst,
                             _stage(key), key[2])
         self.sending.clear()
+
+
+def _at_rank(error: BaseException, rank: int) -> BaseException:
+    """``error``, a step's failure, with the rank it was raised on recorded in its
+    :func:`~fpipe.errors.where` (a stage's own exception that takes no attributes keeps none)."""
+    if isinstance(error, StageError):
+        error.rank = rank
+    elif (at := where(error)) is not None:
+        try:
+            error.fpipe_where = at._replace(rank=rank)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            pass
+    return error
+
+
+def _call_name(training: int, count: int) -> str:
+    return f"{'value_and_grad' if training else 'inference'} (call {count})"
+
+
+def _stage_failure(type_name: str, message: str, at: Where) -> str:
+    """What failed where, for ranks that only learn of it: the place, the original exception's
+    type and its message (a StageError of the interpreter's already says the place)."""
+    place = f"stage {at.stage} failed in the {at.op} of micro-batch {at.microbatch}"
+    if type_name == "StageError" and message.startswith(place):
+        return message
+    return f"{place}: {type_name}: {message}"
 
 
 def _describe_key(key: tuple) -> str:

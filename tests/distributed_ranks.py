@@ -7,8 +7,10 @@ checks against the single-process driver and whole-batch ``torch.func``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -20,20 +22,26 @@ from models import block, mlp_params, mse
 
 import fpipe
 import fpipe.distributed as fdist
+from fpipe.errors import where
 from fpipe.schedules import Program
 from fpipe.stages import skippable
 
 # -- the harness ---------------------------------------------------------------------------------
 
 
-def spawn(scenario: str, world: int, timeout: float = 60.0) -> tuple[list, list[int]]:
+def spawn(scenario: str, world: int, timeout: float = 60.0, backend: str = "gloo",
+          bind_device: bool = False) -> tuple[list, list[int]]:
     """Run ``scenario`` on ``world`` ranks; returns each rank's result (None if it sent none)
-    and exit code. Every child is reaped, killed if it outlives ``timeout``."""
+    and exit code. Every child is reaped, killed if it outlives ``timeout``.
+
+    With ``backend="nccl"`` rank ``r`` uses ``cuda:r``; ``bind_device`` passes it as
+    ``device_id`` too, which makes NCCL create communicators eagerly."""
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    ranks = [context.Process(target=_main, args=(scenario, rank, world, store.port, queue),
+    ranks = [context.Process(target=_main, args=(scenario, rank, world, store.port, queue,
+                                                 backend, bind_device),
                              daemon=True) for rank in range(world)]
     for process in ranks:
         process.start()
@@ -51,19 +59,26 @@ def spawn(scenario: str, world: int, timeout: float = 60.0) -> tuple[list, list[
     return results, [process.exitcode for process in ranks]
 
 
-def _main(scenario: str, rank: int, world: int, port: int, queue) -> None:
+def _main(scenario: str, rank: int, world: int, port: int, queue, backend: str,
+          bind_device: bool) -> None:
     torch.set_num_threads(1)
     # The first torch.func call of a process loads much of torch (seconds on a busy CI
     # machine); do it before the clock of any timeout starts.
     torch.func.vjp(torch.sin, torch.ones(1))[1](torch.ones(1))
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
                           timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+    options = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        if bind_device:
+            options["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, store=store, **options)
     try:
         result = SCENARIOS[scenario](rank, world)
     except BaseException:
         result = {"crash": traceback.format_exc()}
     queue.put((rank, pickle.dumps(result)))
+    dist.destroy_process_group()  # every group, before the interpreter's teardown
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -155,6 +170,26 @@ def full_params(name: str, n_stages: int) -> list:
     return tree_params() if name.startswith("pytree") else mlp_params(n_stages)
 
 
+@contextlib.contextmanager
+def recording_p2p():
+    """Log every point-to-point message this rank posts as ``(op, peer, group name)``, by
+    wrapping ``torch.distributed``'s ``isend`` and ``irecv``, which fpipe calls."""
+    log: list[tuple[str, int, str]] = []
+    isend, irecv = dist.isend, dist.irecv
+
+    def logged(op: str, post):
+        def call(tensor, peer, group=None, **kwargs):
+            log.append((op, peer, (group or dist.group.WORLD).group_name))
+            return post(tensor, peer, group=group, **kwargs)
+        return call
+
+    dist.isend, dist.irecv = logged("send", isend), logged("recv", irecv)
+    try:
+        yield log
+    finally:
+        dist.isend, dist.irecv = isend, irecv
+
+
 # -- scenarios -----------------------------------------------------------------------------------
 
 
@@ -164,19 +199,22 @@ def parity(rank: int, world: int) -> dict:
     for name, stages, schedule, steps in cases(world):
         held = fdist.my_stages(schedule, len(stages))
         full = full_params(name, len(stages))  # a real job would build only its own stages
-        pipe = fdist.pipeline(stages, {s: full[s] for s in held}, schedule=schedule,
-                              loss_fn=mse, timeout=20)
-        first = pipe.program.placement[0]
-        last = pipe.program.placement[-1]
-        results = []
-        recorder = fpipe.Recorder()
-        for x, target in steps:
-            loss, grads = pipe.value_and_grad(x if rank == first else None,
-                                              target if rank == last else None,
-                                              record=recorder)
-            y = pipe(x if rank == first else None)
-            results.append((loss, grads, y))
+        with recording_p2p() as log:
+            pipe = fdist.pipeline(stages, {s: full[s] for s in held}, schedule=schedule,
+                                  loss_fn=mse, timeout=20)
+            first = pipe.program.placement[0]
+            last = pipe.program.placement[-1]
+            results = []
+            recorder = fpipe.Recorder()
+            for x, target in steps:
+                loss, grads = pipe.value_and_grad(x if rank == first else None,
+                                                  target if rank == last else None,
+                                                  record=recorder)
+                y = pipe(x if rank == first else None)
+                results.append((loss, grads, y))
         out[name] = results
+        out[f"{name}: p2p"] = log
+        out[f"{name}: group"] = pipe.group.group_name
         out[f"{name}: recorded"] = [[str(span.action) for span in spans]
                                     for spans in recorder.timeline]
     return out
@@ -228,10 +266,11 @@ def _failure(rank: int, world: int, bad) -> dict:
             again = None
         except Exception as second:
             again = type(second).__name__
+        at = where(exc)
         return {"type": type(exc).__name__, "message": str(exc), "elapsed": elapsed,
                 "rank": getattr(exc, "rank", None), "stage": getattr(exc, "stage", None),
                 "microbatch": getattr(exc, "microbatch", None), "again": again,
-                "at": time.time()}
+                "where": None if at is None else tuple(at), "at": time.time()}
     return {"type": None}
 
 
@@ -281,5 +320,86 @@ def rank_stalls(rank: int, world: int) -> dict:
     return _failure(rank, world, _silent_stage)
 
 
+def large_case():
+    """(stages, schedule, steps) with activations far beyond NCCL's 4 MiB buffers: 1F1B on
+    two ranks, 8 MiB per micro-batch, then 9 MiB ones of a longer sequence."""
+    return [block, block], fdist_schedule("1f1b", 3), [data(96, 4096, 8, seed=11),
+                                                       data(72, 6144, 8, seed=12)]
+
+
+def local_steps(stages, schedule, steps) -> list:
+    """(loss, grads) of each step in the single-process driver, for the parent to compare."""
+    with fpipe.pipeline(stages, mlp_params(len(stages)), schedule=schedule,
+                        loss_fn=mse) as local:
+        return [local.value_and_grad(x, target) for x, target in steps]
+
+
+def large(rank: int, world: int, device: str = "cpu") -> dict:
+    """Loss and gradients of each step of :func:`large_case` on ``device``, back on the CPU."""
+    stages, schedule, steps = large_case()
+    held = fdist.my_stages(schedule, len(stages))
+    full = mlp_params(len(stages))
+    pipe = fdist.pipeline(stages, {s: {k: v.to(device) for k, v in full[s].items()}
+                                   for s in held}, schedule=schedule, loss_fn=mse, timeout=60)
+    out = []
+    for x, target in steps:
+        loss, grads = pipe.value_and_grad(x.to(device) if rank == 0 else None,
+                                          target.to(device) if rank == world - 1 else None)
+        out.append((loss.cpu(), {s: {k: v.cpu() for k, v in g.items()}
+                                 for s, g in grads.items()}))
+    return {"steps": out, "wire": str(pipe.wire)}
+
+
+def large_cuda(rank: int, world: int) -> dict:
+    return large(rank, world, f"cuda:{rank}")
+
+
+def concurrent_case():
+    return fdist_schedule("1f1b", 2), [data(4, 8, seed=13), data(6, 8, seed=14)]
+
+
+def concurrent(rank: int, world: int) -> dict:
+    """A call from a second thread while a first thread's step is held inside a stage is
+    refused; the first call and the next one are unharmed. Then ranks called for different
+    things (rank 1 for inference, rank 0 for training) stop with an error, not wrong values."""
+    started, release = threading.Event(), threading.Event()
+
+    def held_block(p, x):
+        started.set()
+        if not release.wait(30):
+            raise TimeoutError("never released")
+        return block(p, x)
+
+    schedule, steps = concurrent_case()
+    full = mlp_params(2)
+    pipe = fdist.pipeline([held_block] * 2, {rank: full[rank]}, schedule=schedule,
+                          loss_fn=mse, timeout=20)
+
+    def args(x, target):
+        return x if rank == 0 else None, target if rank == 1 else None
+
+    first: dict = {}
+    thread = threading.Thread(target=lambda: first.update(out=_outcome(
+        lambda: pipe.value_and_grad(*args(*steps[0])))))
+    thread.start()
+    out = {"started": started.wait(20), "refused": _outcome(lambda: pipe(args(*steps[0])[0]))}
+    release.set()
+    thread.join(30)
+    out["first"] = first.get("out")
+    out["second"] = _outcome(lambda: pipe.value_and_grad(*args(*steps[1])))
+    x = steps[0][0]
+    out["mixed"] = _outcome(pipe.value_and_grad, x, None) if rank == 0 else _outcome(pipe, None)
+    return out
+
+
+def _outcome(fn, *args) -> tuple:
+    """``("ok", result)`` or ``("error", type name, message)``."""
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return ("error", type(exc).__name__, str(exc))
+
+
 SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies,
-             "rank_stalls": rank_stalls, "stateful": stateful}
+             "rank_stalls": rank_stalls, "stateful": stateful, "large": large,
+             "large_cuda": large_cuda, "concurrent": concurrent}

@@ -4,10 +4,21 @@ whole-batch ``torch.func``, in float64."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
-from distributed_ranks import cases, fresh_state, full_params, spawn, stateful_case
-from models import mse, whole_batch
+from distributed_ranks import (
+    cases,
+    concurrent_case,
+    fresh_state,
+    full_params,
+    large_case,
+    local_steps,
+    spawn,
+    stateful_case,
+)
+from models import block, mse, whole_batch
 
 import fpipe
 import fpipe.distributed as fdist
@@ -16,12 +27,20 @@ from fpipe.schedules import gpipe, one_f_one_b
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_matches_local_driver_and_whole_batch(world):
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
+def parity(request):
+    """Every case of :func:`distributed_ranks.cases` on ``world`` ranks, run once for the
+    tests that check it."""
+    world = request.param
     results, codes = spawn("parity", world)
     assert codes == [0] * world
     for rank_result in results:
         assert "crash" not in rank_result, rank_result.get("crash")
+    return world, results
+
+
+def test_matches_local_driver_and_whole_batch(parity):
+    world, results = parity
     for name, stages, schedule, steps in cases(world):
         params = full_params(name, len(stages))
         program = schedule.program(len(stages))
@@ -48,18 +67,92 @@ def test_matches_local_driver_and_whole_batch(world):
                         assert y is None
 
 
-def test_a_stage_raising_stops_every_rank_with_its_name():
+def test_each_group_carries_messages_one_way_between_two_ranks(parity):
+    """Why NCCL cannot stall: no rank ever sends to a peer on a group it receives from that
+    peer on (nor posts p2p on the group of the broadcasts), so a receive never queues behind a
+    send on one stream. Every message of every case (skips, interleaved, zero-bubble, ZB-V's
+    sends to lower ranks) is checked, and each group's sends match its receives."""
+    world, results = parity
+    for name, *_ in cases(world):
+        directions: dict[str, set] = {}
+        sent, received = Counter(), Counter()
+        for rank, result in enumerate(results):
+            assert result[f"{name}: p2p"], name
+            for op, peer, group in result[f"{name}: p2p"]:
+                assert group != result[f"{name}: group"], (name, rank, op, peer)
+                src, dst = (rank, peer) if op == "send" else (peer, rank)
+                directions.setdefault(group, set()).add((src, dst))
+                (sent if op == "send" else received)[group, src, dst] += 1
+        assert all(len(pairs) == 1 for pairs in directions.values()), (name, directions)
+        assert sent == received, name
+
+
+def test_1f1b_with_large_activations_and_changing_shapes():
+    """8 and 9 MiB activations and cotangents cross both ways in 1F1B's steady state (the
+    pattern that stalls NCCL when sends and receives share a stream); the second step's
+    shapes differ from the first's. Same code as NCCL runs: see test_distributed_cuda.py."""
+    results, codes = spawn("large", 2)
+    assert codes == [0, 0]
+    assert all("crash" not in r for r in results), results
+    stages, schedule, steps = large_case()
+    for (loss, grads), rank_steps in zip(local_steps(stages, schedule, steps),
+                                         zip(*(r["steps"] for r in results))):
+        for rank, (rank_loss, rank_grads) in enumerate(rank_steps):
+            torch.testing.assert_close(rank_loss, loss, **TIGHT)
+            assert sorted(rank_grads) == [rank]
+            torch.testing.assert_close(rank_grads[rank], grads[rank], **TIGHT)
+
+
+def test_concurrent_calls_are_refused_and_mismatched_calls_stop():
+    results, codes = spawn("concurrent", 2)
+    assert codes == [0, 0]
+    assert all("crash" not in r for r in results), results
+    schedule, steps = concurrent_case()
+    expected = local_steps([block] * 2, schedule, steps)
+    for rank, result in enumerate(results):
+        assert result["started"]
+        kind, *refused = result["refused"]
+        assert kind == "error" and refused[0] == "RuntimeError", refused
+        assert "already running a step on another thread" in refused[1]
+        for outcome, (loss, grads) in zip((result["first"], result["second"]), expected):
+            assert outcome[0] == "ok", outcome
+            rank_loss, rank_grads = outcome[1]
+            torch.testing.assert_close(rank_loss, loss, **TIGHT)
+            torch.testing.assert_close(rank_grads[rank], grads[rank], **TIGHT)
+    # rank 0 asked to train while rank 1 asked to infer: both raise, naming the mismatch
+    for result in results:
+        kind, name, message = result["mixed"]
+        assert kind == "error", result["mixed"]
+        assert "rank 1 was called for inference (call 3) but rank 0 for value_and_grad " \
+               "(call 3)" in message, message
+    assert results[0]["mixed"][1] == "PeerError" and results[1]["mixed"][1] == "RuntimeError"
+
+
+@pytest.fixture(scope="module")
+def stage_raises():
     results, codes = spawn("stage_raises", 3)
     assert codes == [0, 0, 0]
-    for rank, result in enumerate(results):
-        assert result["type"] == "StageError", result
-        assert (result["rank"], result["stage"], result["microbatch"]) == (2, 2, 2)
+    return results
+
+
+def test_a_stage_raising_stops_every_rank_with_its_name(stage_raises):
+    for rank, result in enumerate(stage_raises):
+        assert result["where"] == (2, 2, "forward", 2), result  # stage, micro-batch, op, rank
         assert "sample 5 is cursed" in result["message"]
-        assert "stage 2 failed in the forward of micro-batch 2" in result["message"]
-        if rank != 2:
+        if rank != 2:  # told by the store: a StageError saying where, and what was raised
+            assert result["type"] == "StageError", result
             assert f"rank 2 failed, so rank {rank} stopped" in result["message"]
+            assert "stage 2 failed in the forward of micro-batch 2: ValueError: sample 5 is " \
+                   "cursed" in result["message"]
         assert result["elapsed"] < 4  # well within the 5 s timeout: the failure is announced
         assert result["again"] == "RuntimeError"  # a stopped pipeline refuses to run
+
+
+@pytest.mark.xfail(reason="needs the interpreter change: a stage's own exception unwrapped",
+                   strict=False)
+def test_the_failing_rank_raises_the_stage_own_exception(stage_raises):
+    assert stage_raises[2]["type"] == "ValueError", stage_raises[2]
+    assert stage_raises[2]["message"] == "sample 5 is cursed"
 
 
 def test_a_dying_rank_does_not_leave_the_others_hanging():
