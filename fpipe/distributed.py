@@ -178,7 +178,7 @@ class DistributedPipeline:
         self.interpreter = Interpreter(
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
-            autodiff=autodiff)
+            autodiff=autodiff, concurrent=False)  # one thread a rank: every draw seeded
         backend = backend_for(self.device)
         # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
         self.wire = self.device if backend == "nccl" else torch.device("cpu")

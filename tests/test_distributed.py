@@ -148,8 +148,6 @@ def test_a_stage_raising_stops_every_rank_with_its_name(stage_raises):
         assert result["again"] == "RuntimeError"  # a stopped pipeline refuses to run
 
 
-@pytest.mark.xfail(reason="needs the interpreter change: a stage's own exception unwrapped",
-                   strict=False)
 def test_the_failing_rank_raises_the_stage_own_exception(stage_raises):
     assert stage_raises[2]["type"] == "ValueError", stage_raises[2]
     assert stage_raises[2]["message"] == "sample 5 is cursed"

@@ -8,7 +8,7 @@ import threading
 import optree
 import pytest
 import torch
-from models import block, mlp_params, mse, whole_batch
+from models import mlp_params, mse, whole_batch
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
