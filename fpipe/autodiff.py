@@ -89,7 +89,7 @@ class StageCall:
         watch.check()
         if self.loss_fn is not None:
             return y, new_state
-        return [flatten(y), *(flatten(value) for value in stashed)], new_state
+        return self._outputs(y, stashed, size), new_state
 
     def forward_vjp(self, params: list, x: Value, state: Any = None, popped: tuple = (),
                     target: Any = None, weight: float = 1.0, size: int | None = None,
@@ -120,7 +120,7 @@ class StageCall:
             if self.loss_fn is not None:
                 outs, kept, grads = None, [], [y]
             else:
-                outs = [flatten(y), *(flatten(value) for value in stashed)]
+                outs = self._outputs(y, stashed, size)
                 grads = [out.leaves[i] for out in outs for i in out.grad_index]
                 if not grads:
                     raise StageError("the stage returned no floating-point tensor, so no "
@@ -131,7 +131,8 @@ class StageCall:
             return grads, ([outs[k].leaves[i] for k, i in kept]
                            + [state_leaves[i] for i in state_kept])
 
-        watch = _Watch(self, params, state, x, popped)
+        # Autograd itself refuses writes into the differentiated leaves: watch the others.
+        watch = _Watch(self, params, state, x, popped, index)
         try:
             primals, vjp_fn, aux = (split_vjp if split else self._vjp)(
                 flat, params,
@@ -179,13 +180,20 @@ class StageCall:
                 raise StageError(f"the stage must stash exactly {list(self.stashes)}, "
                                  f"got {got}")
             stashed = tuple(stash[name] for name in self.stashes)
-        if size is not None:  # every output keeps the micro-batch, the last stage's too
-            check_output(result, size, "output")
-            for name, value in zip(self.stashes, stashed):
-                check_output(value, size, f"stashed skip {name!r}")
         if self.loss_fn is not None:
+            if size is not None:  # the last stage keeps the micro-batch too
+                check_output(flatten(result), size, "output")
             result = self._loss(result, target, weight)
         return result, stashed, new_state
+
+    def _outputs(self, y: Any, stashed: tuple, size: int | None) -> list[Value]:
+        """``[y, *stashed]`` flattened, each checked to keep the micro-batch's ``size``."""
+        outs = [flatten(y), *(flatten(value) for value in stashed)]
+        if size is not None:
+            check_output(outs[0], size, "output")
+            for name, value in zip(self.stashes, outs[1:]):
+                check_output(value, size, f"stashed skip {name!r}")
+        return outs
 
     def _loss(self, y: Any, target: Any, weight: float) -> torch.Tensor:
         try:
@@ -217,11 +225,19 @@ class _Watch:
     __slots__ = ("call", "params", "state", "x", "popped", "tensors", "versions")
 
     def __init__(self, call: StageCall, params: list, state: Any, x: Value,
-                 popped: tuple) -> None:
+                 popped: tuple, differentiated: list | None = None) -> None:
+        """``differentiated``: per input, the indices of leaves autograd differentiates (and
+        so protects, with the parameters), when the call runs under a vjp."""
         self.call, self.params, self.state, self.x, self.popped = call, params, state, x, popped
+        leaves = [] if differentiated is not None else list(params)
+        if state is not None:
+            leaves += optree.tree_leaves(state)
+        for i, value in enumerate((x, *popped)):
+            skip = differentiated[i] if differentiated is not None else ()
+            leaves += value.leaves if not skip else \
+                [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
         # Inference tensors (made under torch.inference_mode) keep no version counter.
-        self.tensors = [leaf for leaf in (*params, *optree.tree_leaves(state), *x.leaves,
-                                          *(leaf for value in popped for leaf in value.leaves))
+        self.tensors = [leaf for leaf in leaves
                         if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
         self.versions = [t._version for t in self.tensors]
 
@@ -245,18 +261,19 @@ class _Watch:
         return "a tensor it was given"
 
 
-def check_output(tree: Any, size: int, what: str) -> None:
+def check_output(out: Value, size: int, what: str) -> None:
     """A stage's ``what`` carries a tensor, and every tensor keeps the micro-batch's ``size``
     on dim 0 (0-dim tensors excepted)."""
-    leaves = optree.tree_leaves(tree)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if not tensors:
-        raise StageError(f"the stage returned no tensor in its {what} (got {tree!r}); it must "
-                         f"be a tensor or a pytree with tensor leaves")
-    for leaf in tensors:
-        if leaf.dim() > 0 and leaf.shape[0] != size:
-            raise StageError(f"the stage's {what} {describe(tree)} does not keep the "
-                             f"micro-batch size {size} on dim 0 of every tensor")
+    seen = False
+    for leaf in out.leaves:
+        if isinstance(leaf, torch.Tensor):
+            seen = True
+            if leaf.dim() > 0 and leaf.shape[0] != size:
+                raise StageError(f"the stage's {what} {describe(out.tree())} does not keep "
+                                 f"the micro-batch size {size} on dim 0 of every tensor")
+    if not seen:
+        raise StageError(f"the stage returned no tensor in its {what} (got {out.tree()!r}); it "
+                         f"must be a tensor or a pytree with tensor leaves")
 
 
 def describe(tree: Any) -> str:

@@ -33,20 +33,15 @@ import torch
 
 __all__ = ["StepSeed", "RandomStages", "UnseededDraws"]
 
-_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
 _CPU = torch.device("cpu")
 
 
 def _mix(*values: int) -> int:
-    """A 63-bit hash of integers (splitmix64 rounds): nearby inputs give unrelated seeds."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) & _MASK64
-        h = (h * 0xBF58476D1CE4E5B9) & _MASK64
-        h ^= h >> 31
-        h = (h * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 29
-    return h >> 1
+    """A 63-bit seed from integers: CPython's tuple hash (xxHash-style rounds) mixes nearby
+    inputs into unrelated seeds, and for integers it is the same in every process and run
+    (hash randomisation touches only str and bytes)."""
+    return hash(values) & _MASK63
 
 
 class UnseededDraws(Exception):
@@ -108,8 +103,8 @@ class _Generator:
             else torch.default_generator
         self.lock = _SharedLock()
 
-    def state(self) -> bytes:
-        return self.torch.get_state().numpy().tobytes()
+    def state(self) -> torch.Tensor:
+        return self.torch.get_state()
 
 
 _generators: dict[tuple, _Generator] = {}
@@ -200,7 +195,7 @@ class _Call:
         self.random, self.seed, self.stage = random, seed, stage
         self.microbatch, self.training, self.seeded = microbatch, training, seeded
         self.check = check
-        self.held: list[tuple[_Generator, bool, bytes | None]] = []
+        self.held: list[tuple[_Generator, bool, torch.Tensor | None]] = []
         self.drew = False
 
     def __enter__(self) -> _Call:
@@ -222,7 +217,7 @@ class _Call:
         draws = self.random.draws
         for g, exclusive, before in reversed(self.held):
             if before is not None:
-                drew = g.state() != before
+                drew = not torch.equal(g.state(), before)
                 self.drew = self.drew or drew
                 key = (self.stage, self.training, g.key)
                 if exclusive:
