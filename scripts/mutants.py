@@ -1,0 +1,178 @@
+"""Planted bugs: does the test suite catch realistic mistakes?
+
+Each mutant is one small edit to the package (a text replaced in one file), the kind of slip a
+change to fpipe could make, and the test files that should catch it. For each, the package is
+copied to a scratch directory, the edit applied, and those tests run against the copy; the
+mutant is *caught* when they fail (or time out), *missed* when they pass. A mutant whose text
+is no longer in its file is reported *stale*: the list must follow the code.
+
+    python scripts/mutants.py            # every mutant (before a release)
+    python scripts/mutants.py --quick    # the quick subset (CI)
+    python scripts/mutants.py --list     # names only
+
+Exit status 0 only if every mutant run is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # under fpipe/
+    old: str
+    new: str
+    tests: tuple[str, ...]  # test files (or node ids) that should catch it
+    quick: bool = False  # in the CI subset
+
+
+MUTANTS = (
+    # -- the ones the issue planted ------------------------------------------------------------
+    Mutant("a micro-batch's gradient dropped", "driver.py",
+           "step.grads[stage] = [acc + grad for acc, grad in zip(total, grads)]",
+           "step.grads[stage] = list(total)",
+           ("tests/test_pipeline.py",), quick=True),
+    Mutant("equal instead of proportional micro-batch weights", "pipeline.py",
+           "[size / n for size in sizes]", "[1 / len(sizes) for size in sizes]",
+           ("tests/test_pipeline.py",), quick=True),
+    Mutant("the deadlock check skipped", "schedules/validate.py",
+           "    if len(order) < len(present):\n        _raise_deadlock(",
+           "    if False:\n        _raise_deadlock(",
+           ("tests/test_validate.py",), quick=True),
+    Mutant("a recompute seeded with the wrong micro-batch", "driver.py",
+           "random.scope(step.seed, stage, microbatch, True, step.seeded,",
+           "random.scope(step.seed, stage, microbatch + 1, True, step.seeded,",
+           ("tests/test_pipeline.py", "tests/test_rng.py")),
+    Mutant("two 1F1B actions swapped", "schedules/one_f_one_b.py",
+           "actions += [Action(stage, F, warmup + m), Action(stage, B, m)]",
+           "actions += [Action(stage, B, m), Action(stage, F, warmup + m)]",
+           ("tests/test_schedules.py",), quick=True),
+    Mutant("BatchNorm statistics per micro-batch", "stages/batchnorm.py",
+           "if int(self.tracked) >= self.chunks:", "if int(self.tracked) >= 1:",
+           ("tests/test_batchnorm.py",)),
+    Mutant("the grad_dtype cast after the sum", "driver.py",
+           "        if self.grad_dtype is not None:\n            grads = [grad.to(self.grad_dtype)"
+           " for grad in grads]",
+           "        if False:\n            grads = [grad.to(self.grad_dtype) for grad in grads]",
+           ("tests/test_amp.py",)),
+    Mutant("every micro-batch draws the same dropout mask", "rng.py",
+           "_mix(self.seed, self.stage, self.microbatch, i)", "_mix(self.seed, self.stage, 0, i)",
+           ("tests/test_rng.py", "tests/test_pipeline.py"), quick=True),
+    Mutant("a recompute given the state after its forward", "driver.py",
+           "step.saved[key] = (x, state, popped, drawing.drew)",
+           "step.saved[key] = (x, step.state[stage], popped, drawing.drew)",
+           ("tests/test_state.py",), quick=True),
+    # -- the correctness issue's own defects, back again ---------------------------------------
+    Mutant("an unseeded draw trusted (random numbers learnt once)", "rng.py",
+           "                elif drew:\n                    unseeded = True",
+           "                elif drew:\n                    pass",
+           ("tests/test_rng.py",), quick=True),
+    Mutant("a 0-dim input's gradient not summed over micro-batches", "pipeline.py",
+           "joined.append(torch.stack(column).sum(0))", "joined.append(column[0])",
+           ("tests/test_vjp.py",), quick=True),
+    Mutant("a 0-dim output's cotangent given to every micro-batch", "pipeline.py",
+           "if given is None or (microbatch > 0 and leaf.dim() == 0):",
+           "if given is None:",
+           ("tests/test_vjp.py",)),
+    Mutant("the caller's autocast not carried into workers", "driver.py",
+           "_NOTHING if step.context is None else step.context.applied(step.training)",
+           "_NOTHING",
+           ("tests/test_thread_state.py",), quick=True),
+    Mutant("in-place writes not watched", "autodiff.py",
+           "            if tensor._version != version:", "            if False:",
+           ("tests/test_purity.py",), quick=True),
+    Mutant("the last stage's batch size not checked", "autodiff.py",
+           "if size is not None:  # the last stage keeps the micro-batch too",
+           "if False:",
+           ("tests/test_errors.py",), quick=True),
+    Mutant("the backward half waits on the caller's thread", "driver.py",
+           "inline=program.placement[-1])", "inline=0)",
+           ("tests/test_concurrency.py",)),
+    Mutant("a stage's own exception wrapped again", "driver.py",
+           "    if isinstance(exc, StageError):\n        if exc.stage is None:",
+           "    if not isinstance(exc, UnseededDraws):\n        exc = StageError(str(exc))\n"
+           "        if exc.stage is None:",
+           ("tests/test_faults.py", "tests/test_errors.py")),
+    Mutant("the loss's seed cotangent outside the compute scope", "driver.py",
+           "                    vjp_fn, counts = step.vjps.pop(key)\n",
+           "                    vjp_fn, counts = step.vjps.pop(key)\n"
+           "                    if stage == last and not step.open_ended:\n"
+           "                        cotangent = [torch.ones_like(step.outputs[microbatch])]\n",
+           ("tests/test_stream_discipline.py",), quick=True),
+    # -- more of the kind a refactor makes -----------------------------------------------------
+    Mutant("skip cotangents sent back to the wrong stage", "driver.py",
+           "                                         routes[name][0], (\"t\", name, microbatch), "
+           "None)",
+           "                                         stage - 1, (\"t\", name, microbatch), None)",
+           ("tests/test_skip.py",)),
+    Mutant("uneven micro-batches split evenly", "microbatch.py",
+           "return [base + 1 if i < extra else base for i in range(chunks)]",
+           "return [base for i in range(chunks)]",
+           ("tests/test_microbatch.py", "tests/test_pipeline.py")),
+    Mutant("a recompute's new state kept", "driver.py",
+           "                    x, state, popped, drew = step.saved.pop(key)\n",
+           "                    x, state, popped, drew = step.saved.pop(key)\n"
+           "                    step.state[stage] = state\n",
+           ("tests/test_state.py",)),
+)
+
+
+def run(mutant: Mutant, timeout: float) -> tuple[str, float]:
+    """``caught``, ``missed`` or ``stale``, and the seconds its tests took."""
+    source = (ROOT / "fpipe" / mutant.file).read_text()
+    if source.count(mutant.old) != 1:
+        return "stale", 0.0
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copytree(ROOT / "fpipe", Path(scratch) / "fpipe")
+        (Path(scratch) / "fpipe" / mutant.file).write_text(source.replace(mutant.old, mutant.new))
+        env = {**os.environ, "PYTHONPATH": scratch, "HYPOTHESIS_PROFILE": "ci"}
+        # Run from the scratch directory: ``python -m`` puts the working directory first on
+        # sys.path, which must hold the mutated package, not the real one.
+        command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                   f"--rootdir={ROOT}", *(str(ROOT / test) for test in mutant.tests)]
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=scratch, env=env, capture_output=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "caught", time.perf_counter() - start  # a hang is a failure too
+        spent = time.perf_counter() - start
+    return ("missed" if done.returncode == 0 else "caught"), spent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the quick subset only (CI)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds per mutant (a hang counts as caught)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if m.quick or not args.quick]
+    if args.list:
+        for m in chosen:
+            print(f"{'quick' if m.quick else 'full '}  {m.name}  ({', '.join(m.tests)})")
+        return 0
+    bad = 0
+    print(f"{'result':<8} {'s':>6}  mutant")
+    for mutant in chosen:
+        result, spent = run(mutant, args.timeout)
+        bad += result != "caught"
+        print(f"{result:<8} {spent:6.1f}  {mutant.name}", flush=True)
+    print(f"{len(chosen) - bad} caught, {bad} missed or stale, of {len(chosen)} mutants")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
