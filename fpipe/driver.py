@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -37,16 +38,42 @@ from fpipe.workers import Aborted, Inbox, WorkerPool
 
 __all__ = ["LocalDriver", "TrainResult", "Interpreter", "Step", "Channel", "compiled"]
 
-# Action codes of a compiled program. A forward is "kept" when its vjp is built at once, and
-# "dropped" when only its input is kept for a later recompute (or, in inference, nothing); a
-# "split" forward or recompute builds a vjp whose backward runs as I then W.
-(_KEPT, _KEPT_SPLIT, _DROPPED, _RECOMPUTE, _RECOMPUTE_SPLIT, _BACKWARD, _BACKWARD_INPUT,
- _BACKWARD_WEIGHT) = range(8)
-_OP_NAMES = ("forward", "forward", "forward", "recompute", "recompute", "backward",
-             "input-gradient backward", "weight-gradient backward")
-_OPS = (Op.FORWARD, Op.FORWARD, Op.FORWARD, Op.RECOMPUTE, Op.RECOMPUTE, Op.BACKWARD,
-        Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-_UNTIMED = _NOTHING = contextlib.nullcontext()
+_NOTHING = contextlib.nullcontext()
+
+
+@dataclass(frozen=True, eq=False)
+class Kind:
+    """What a compiled action does: ``handler(job, kind, stage, microbatch)`` runs it.
+
+    A forward is *kept* when its vjp is built at once and *dropped* when only its input is kept
+    for a later recompute (or, in inference, nothing); a *split* forward or recompute builds a
+    vjp whose backward runs as I then W. ``name`` is how errors call it."""
+
+    name: str
+    op: Op
+    handler: Callable[..., None] = field(repr=False)
+    keep: bool = False
+    split: bool = False
+
+    @property
+    def forward(self) -> bool:
+        return self.op is Op.FORWARD
+
+
+def _kinds() -> dict[str, Kind]:
+    """The instruction set (the handlers are defined below, one per kind of action)."""
+    return {
+        "kept": Kind("forward", Op.FORWARD, _forward, keep=True),
+        "kept_split": Kind("forward", Op.FORWARD, _forward, keep=True, split=True),
+        "dropped": Kind("forward", Op.FORWARD, _forward),
+        "recompute": Kind("recompute", Op.RECOMPUTE, _recompute),
+        "recompute_split": Kind("recompute", Op.RECOMPUTE, _recompute, split=True),
+        "backward": Kind("backward", Op.BACKWARD, _backward),
+        "backward_input": Kind("input-gradient backward", Op.BACKWARD_INPUT, _backward,
+                               split=True),
+        "backward_weight": Kind("weight-gradient backward", Op.BACKWARD_WEIGHT,
+                                _backward_weight),
+    }
 
 
 def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
@@ -62,25 +89,27 @@ def compiled(cache: dict, program: Program, training: bool, stateful: bool = Fal
     return plan
 
 
-def _compile(program: Program, training: bool) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+def _compile(program: Program, training: bool) -> tuple[tuple[tuple[Kind, int, int], ...], ...]:
+    """Per worker, ``(kind, stage, microbatch)`` for each action: a forward's kind depends on
+    whether its pair is recomputed later and whether its backward is split."""
     def having(op: Op) -> set[tuple[int, int]]:
         return {(a.stage, a.microbatch) for w in program.workers for a in w if a.op is op}
 
     recomputed, split = having(Op.RECOMPUTE), having(Op.BACKWARD_INPUT)
-    codes = {Op.BACKWARD: _BACKWARD, Op.BACKWARD_INPUT: _BACKWARD_INPUT,
-             Op.BACKWARD_WEIGHT: _BACKWARD_WEIGHT}
+    by_op = {Op.BACKWARD: KINDS["backward"], Op.BACKWARD_INPUT: KINDS["backward_input"],
+             Op.BACKWARD_WEIGHT: KINDS["backward_weight"]}
 
-    def code(action) -> int:
+    def kind(action) -> Kind:
         pair = (action.stage, action.microbatch)
         if action.op is Op.FORWARD:
             if not training or pair in recomputed:
-                return _DROPPED
-            return _KEPT_SPLIT if pair in split else _KEPT
+                return KINDS["dropped"]
+            return KINDS["kept_split" if pair in split else "kept"]
         if action.op is Op.RECOMPUTE:
-            return _RECOMPUTE_SPLIT if pair in split else _RECOMPUTE
-        return codes[action.op]
+            return KINDS["recompute_split" if pair in split else "recompute"]
+        return by_op[action.op]
 
-    return tuple(tuple((code(a), a.stage, a.microbatch) for a in worker)
+    return tuple(tuple((kind(a), a.stage, a.microbatch) for a in worker)
                  for worker in program.workers)
 
 
@@ -222,113 +251,16 @@ class Interpreter:
             self._run(step, actions, channel)
 
     def _run(self, step: Step, actions: tuple, channel: Channel) -> None:
-        devices, transport, random, routes = self.devices, self.transport, self.random, self.routes
-        calls = (self.open_ended_calls if step.open_ended else
-                 self.training_calls if step.training else self.inference_calls)
-        last = len(devices) - 1
-        clock = step.clock
-        code = stage = microbatch = x = None
+        job = _Job(self, step, channel)
+        kind = stage = microbatch = None
         try:
-            for code, stage, microbatch in actions:
-                x = None
-                device = devices[stage]
-                call = calls[stage]
-                key = (stage, microbatch)
-                if code <= _DROPPED:
-                    if stage == 0:
-                        x = step.inputs[microbatch]
-                    else:
-                        x = channel.receive(("x", stage, microbatch), device)
-                    popped = tuple(channel.receive(("s", name, microbatch), device)
-                                   for name in call.pops)
-                    target = step.targets[microbatch] if step.targets is not None else None
-                    weight = step.weights[microbatch]
-                    state = step.state[stage]
-                    dropped = code == _DROPPED and step.training  # to be recomputed
-                    with transport.compute(device), \
-                            random.scope(step.seed, stage, microbatch, step.training,
-                                         step.seeded, check=dropped) as drawing, \
-                            _timed(clock, code, stage, microbatch, device):
-                        if code != _DROPPED:
-                            outs, step.state[stage], vjp_fn = call.forward_vjp(
-                                step.params[stage], x, state, popped, target, weight,
-                                step.sizes[microbatch], split=code == _KEPT_SPLIT)
-                            step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
-                        else:
-                            outs, step.state[stage] = call.forward(
-                                step.params[stage], x, state, popped, target, weight,
-                                step.sizes[microbatch])
-                    if dropped:
-                        step.saved[key] = (x, state, popped, drawing.drew)
-                    if stage == last:
-                        step.outputs[microbatch] = (outs[0] if step.open_ended else
-                                                    outs if step.training else outs[0].tree())
-                        continue
-                    channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch),
-                                 outs[0])
-                    for name, value in zip(call.stashes, outs[1:]):
-                        channel.send(value.leaves, device, routes[name][1],
-                                     ("s", name, microbatch), value)
-                elif code <= _RECOMPUTE_SPLIT:
-                    # The inputs and state the forward saw, again; the new state is dropped.
-                    x, state, popped, drew = step.saved.pop(key)
-                    with transport.compute(device), \
-                            random.scope(step.seed, stage, microbatch, True, step.seeded,
-                                         check=True) as drawing, \
-                            recomputing(), _timed(clock, code, stage, microbatch, device):
-                        *_, vjp_fn = call.forward_vjp(
-                            step.params[stage], x, state, popped,
-                            step.targets[microbatch] if step.targets is not None else None,
-                            step.weights[microbatch], step.sizes[microbatch],
-                            split=code == _RECOMPUTE_SPLIT)
-                    if drawing.drew != drew:
-                        raise StageError(f"the stage drew random numbers in its "
-                                         f"{'forward' if drew else 'recompute'} but not in its "
-                                         f"{'recompute' if drew else 'forward'}, so the "
-                                         f"recompute cannot reproduce the forward: a stage must "
-                                         f"draw alike in both")
-                    step.vjps[key] = (vjp_fn, _grad_counts(call, x, popped))
-                elif code == _BACKWARD_WEIGHT:
-                    with transport.compute(device), _timed(clock, code, stage, microbatch,
-                                                           device):
-                        grads = step.pending_weights.pop(key).weight_grads()
-                        self.accumulate(step, stage, grads)
-                else:
-                    if stage == last and step.open_ended:
-                        cotangent = list(step.output_cotangents[microbatch])
-                    elif stage < last:
-                        cotangent = list(channel.receive(("g", stage, microbatch), device))
-                    for name in call.stashes:
-                        cotangent += channel.receive(("t", name, microbatch), device)
-                    vjp_fn, counts = step.vjps.pop(key)
-                    # Everything below touches the device's tensors: on its compute stream.
-                    with transport.compute(device), _timed(clock, code, stage, microbatch,
-                                                           device):
-                        if stage == last and not step.open_ended:  # the loss's seed
-                            cotangent = [torch.ones_like(step.outputs[microbatch])]
-                        if code == _BACKWARD:
-                            param_grads, input_grads = vjp_fn(cotangent)
-                            self.accumulate(step, stage, param_grads)
-                        else:
-                            input_grads = vjp_fn.input_grads(cotangent)
-                    if code != _BACKWARD:
-                        step.pending_weights[key] = vjp_fn
-                    if stage == 0 and step.open_ended:
-                        step.input_grads[microbatch] = list(input_grads)
-                    elif stage > 0:
-                        # Input gradients in input order: the previous stage's output first,
-                        # then each popped skip's, back to the stage that stashed it.
-                        end = counts[0]
-                        channel.send(list(input_grads[:end]), device, stage - 1,
-                                     ("g", stage - 1, microbatch), None)
-                        for name, count in zip(call.pops, counts[1:]):
-                            channel.send(list(input_grads[end:end + count]), device,
-                                         routes[name][0], ("t", name, microbatch), None)
-                            end += count
+            for kind, stage, microbatch in actions:
+                job.received = None
+                kind.handler(job, kind, stage, microbatch)
         except Aborted:
             return
         except BaseException as exc:
-            step.fail(_located(exc, code, stage, microbatch, x))
+            step.fail(_located(exc, kind, stage, microbatch, job.received))
             if not isinstance(exc, Exception):
                 raise
 
@@ -349,6 +281,141 @@ class Interpreter:
         else:
             for acc, grad in zip(total, grads):
                 acc.add_(grad)
+
+
+class _Job:
+    """One worker's run of one step: what the handlers of its actions share."""
+
+    __slots__ = ("interpreter", "step", "channel", "calls", "last", "received")
+
+    def __init__(self, interpreter: Interpreter, step: Step, channel: Channel) -> None:
+        self.interpreter, self.step, self.channel = interpreter, step, channel
+        self.calls = (interpreter.open_ended_calls if step.open_ended else
+                      interpreter.training_calls if step.training else
+                      interpreter.inference_calls)
+        self.last = len(interpreter.devices) - 1
+        self.received: Value | None = None  # the input of the running forward, for errors
+
+    def timed(self, kind: Kind, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
+        """The span of one action for a Recorder, or nothing when the step is not recorded."""
+        clock = self.step.clock
+        if clock is None:
+            return _NOTHING
+        return clock.span(Action(stage, kind.op, microbatch), self.interpreter.devices[stage])
+
+
+def _forward(job: _Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """Run a stage on a micro-batch, keeping its vjp (or only its input, for a recompute), and
+    send its output and stashed skips on."""
+    step, channel, call = job.step, job.channel, job.calls[stage]
+    interpreter = job.interpreter
+    device = interpreter.devices[stage]
+    x = step.inputs[microbatch] if stage == 0 else \
+        channel.receive(("x", stage, microbatch), device)
+    job.received = x
+    popped = tuple(channel.receive(("s", name, microbatch), device) for name in call.pops)
+    target = step.targets[microbatch] if step.targets is not None else None
+    state = step.state[stage]
+    dropped = not kind.keep and step.training  # to be recomputed
+    args = (step.params[stage], x, state, popped, target, step.weights[microbatch],
+            step.sizes[microbatch])
+    with interpreter.transport.compute(device), \
+            interpreter.random.scope(step.seed, stage, microbatch, step.training, step.seeded,
+                                     check=dropped) as drawing, \
+            job.timed(kind, stage, microbatch):
+        if kind.keep:
+            outs, step.state[stage], vjp_fn = call.forward_vjp(*args, split=kind.split)
+            step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, x, popped))
+        else:
+            outs, step.state[stage] = call.forward(*args)
+    if dropped:
+        step.saved[stage, microbatch] = (x, state, popped, drawing.drew)
+    if stage == job.last:
+        step.outputs[microbatch] = (outs[0] if step.open_ended else
+                                    outs if step.training else outs[0].tree())
+        return
+    channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch), outs[0])
+    for name, value in zip(call.stashes, outs[1:]):
+        channel.send(value.leaves, device, interpreter.routes[name][1], ("s", name, microbatch),
+                     value)
+
+
+def _recompute(job: _Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """The forward again, from the inputs and state it saw (its new state is dropped), drawing
+    the random numbers it drew; keeps the vjp for the backward."""
+    step, call, interpreter = job.step, job.calls[stage], job.interpreter
+    x, state, popped, drew = step.saved.pop((stage, microbatch))
+    job.received = x
+    target = step.targets[microbatch] if step.targets is not None else None
+    with interpreter.transport.compute(interpreter.devices[stage]), \
+            interpreter.random.scope(step.seed, stage, microbatch, True, step.seeded,
+                                     check=True) as drawing, \
+            recomputing(), job.timed(kind, stage, microbatch):
+        *_, vjp_fn = call.forward_vjp(step.params[stage], x, state, popped, target,
+                                      step.weights[microbatch], step.sizes[microbatch],
+                                      split=kind.split)
+    if drawing.drew != drew:
+        raise StageError(f"the stage drew random numbers in its "
+                         f"{'forward' if drew else 'recompute'} but not in its "
+                         f"{'recompute' if drew else 'forward'}, so the recompute cannot "
+                         f"reproduce the forward: a stage must draw alike in both")
+    step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, x, popped))
+
+
+def _backward(job: _Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """A backward (B), or its input half (I, which leaves the weight half pending): the output's
+    cotangent in, parameter gradients summed, input gradients sent back."""
+    step, channel, call, interpreter = job.step, job.channel, job.calls[stage], job.interpreter
+    device = interpreter.devices[stage]
+    cotangent: list = []
+    if stage == job.last and step.open_ended:
+        cotangent = list(step.output_cotangents[microbatch])
+    elif stage < job.last:
+        cotangent = list(channel.receive(("g", stage, microbatch), device))
+    for name in call.stashes:
+        cotangent += channel.receive(("t", name, microbatch), device)
+    vjp_fn, counts = step.vjps.pop((stage, microbatch))
+    # Everything below touches the device's tensors: on its compute stream.
+    with interpreter.transport.compute(device), job.timed(kind, stage, microbatch):
+        if stage == job.last and not step.open_ended:  # the loss's seed
+            cotangent = [torch.ones_like(step.outputs[microbatch])]
+        if kind.split:
+            input_grads = vjp_fn.input_grads(cotangent)
+        else:
+            param_grads, input_grads = vjp_fn(cotangent)
+            interpreter.accumulate(step, stage, param_grads)
+    if kind.split:
+        step.pending_weights[stage, microbatch] = vjp_fn
+    if stage == 0 and step.open_ended:
+        step.input_grads[microbatch] = list(input_grads)
+    elif stage > 0:
+        _send_input_grads(job, stage, microbatch, input_grads, counts)
+
+
+def _send_input_grads(job: _Job, stage: int, microbatch: int, input_grads: list,
+                      counts: tuple[int, ...]) -> None:
+    """Input gradients in input order: the previous stage's output first, then each popped
+    skip's, back to the stage that stashed it."""
+    device, routes = job.interpreter.devices[stage], job.interpreter.routes
+    end = counts[0]
+    job.channel.send(list(input_grads[:end]), device, stage - 1, ("g", stage - 1, microbatch),
+                     None)
+    for name, count in zip(job.calls[stage].pops, counts[1:]):
+        job.channel.send(list(input_grads[end:end + count]), device, routes[name][0],
+                         ("t", name, microbatch), None)
+        end += count
+
+
+def _backward_weight(job: _Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """The weight half (W) of a split backward, from what its input half recorded."""
+    step, interpreter = job.step, job.interpreter
+    with interpreter.transport.compute(interpreter.devices[stage]), \
+            job.timed(kind, stage, microbatch):
+        grads = step.pending_weights.pop((stage, microbatch)).weight_grads()
+        interpreter.accumulate(step, stage, grads)
+
+
+KINDS = _kinds()
 
 
 def _grad_counts(call: StageCall, x: Value, popped: tuple[Value, ...]) -> tuple[int, ...]:
@@ -445,7 +512,7 @@ class LocalDriver:
         their cotangents are known, as an autograd backward does.
         """
         plan = self.prepare(program, True)
-        if any(code <= _DROPPED for actions in plan for code, _, _ in _after_forwards(actions)):
+        if any(kind.forward for actions in plan for kind, _, _ in _after_forwards(actions)):
             raise ValueError("a step run in two calls needs a program whose workers run all "
                              "their forwards before any other action, such as gpipe's")
         return self._step(program, _forwards, partial(
@@ -548,7 +615,7 @@ def _everything(actions: tuple) -> tuple:
 
 def _forwards(actions: tuple) -> tuple:
     """The forwards a worker runs before anything else."""
-    end = next((i for i, (code, _, _) in enumerate(actions) if code > _DROPPED), len(actions))
+    end = next((i for i, (kind, _, _) in enumerate(actions) if not kind.forward), len(actions))
     return actions[:end]
 
 
@@ -556,22 +623,14 @@ def _after_forwards(actions: tuple) -> tuple:
     return actions[len(_forwards(actions)):]
 
 
-def _timed(clock: StepClock | None, code: int, stage: int, microbatch: int,
-           device: torch.device) -> contextlib.AbstractContextManager:
-    """The span of one action for a Recorder, or nothing when the step is not recorded."""
-    if clock is None:
-        return _UNTIMED
-    return clock.span(Action(stage, _OPS[code], microbatch), device)
-
-
-def _located(exc: BaseException, code: int | None, stage: int | None,
+def _located(exc: BaseException, kind: Kind | None, stage: int | None,
              microbatch: int | None, x: Value | None) -> BaseException:
     """``exc`` with where it was raised: fpipe's own detections (:class:`StageError`) get it in
     their message and fields, a stage's own exception keeps its type and gets it attached
     (:func:`fpipe.errors.where`) and noted, with the input a later stage received."""
     if isinstance(exc, UnseededDraws) or stage is None:
         return exc
-    op = _OP_NAMES[code] if code is not None else "setup"
+    op = kind.name if kind is not None else "setup"
     received = f"its input, from stage {stage - 1}: {describe(x.tree())}" \
         if x is not None and stage else None
     if isinstance(exc, StageError):

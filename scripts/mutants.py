@@ -71,8 +71,8 @@ MUTANTS = (
            "_mix(self.seed, self.stage, self.microbatch, i)", "_mix(self.seed, self.stage, 0, i)",
            ("tests/test_rng.py", "tests/test_pipeline.py"), quick=True),
     Mutant("a recompute given the state after its forward", "driver.py",
-           "step.saved[key] = (x, state, popped, drawing.drew)",
-           "step.saved[key] = (x, step.state[stage], popped, drawing.drew)",
+           "step.saved[stage, microbatch] = (x, state, popped, drawing.drew)",
+           "step.saved[stage, microbatch] = (x, step.state[stage], popped, drawing.drew)",
            ("tests/test_state.py",), quick=True),
     # -- the correctness issue's own defects, back again ---------------------------------------
     Mutant("an unseeded draw trusted (random numbers learnt once)", "rng.py",
@@ -106,25 +106,24 @@ MUTANTS = (
            "        if exc.stage is None:",
            ("tests/test_faults.py", "tests/test_errors.py")),
     Mutant("the loss's seed cotangent outside the compute scope", "driver.py",
-           "                    vjp_fn, counts = step.vjps.pop(key)\n",
-           "                    vjp_fn, counts = step.vjps.pop(key)\n"
-           "                    if stage == last and not step.open_ended:\n"
-           "                        cotangent = [torch.ones_like(step.outputs[microbatch])]\n",
+           "    vjp_fn, counts = step.vjps.pop((stage, microbatch))\n",
+           "    vjp_fn, counts = step.vjps.pop((stage, microbatch))\n"
+           "    if stage == job.last and not step.open_ended:\n"
+           "        cotangent = [torch.ones_like(step.outputs[microbatch])]\n",
            ("tests/test_stream_discipline.py",), quick=True),
     # -- more of the kind a refactor makes -----------------------------------------------------
     Mutant("skip cotangents sent back to the wrong stage", "driver.py",
-           "                                         routes[name][0], (\"t\", name, microbatch), "
-           "None)",
-           "                                         stage - 1, (\"t\", name, microbatch), None)",
+           "job.channel.send(list(input_grads[end:end + count]), device, routes[name][0],",
+           "job.channel.send(list(input_grads[end:end + count]), device, stage - 1,",
            ("tests/test_skip.py",)),
     Mutant("uneven micro-batches split evenly", "microbatch.py",
            "return [base + 1 if i < extra else base for i in range(chunks)]",
            "return [base for i in range(chunks)]",
            ("tests/test_microbatch.py", "tests/test_pipeline.py")),
     Mutant("a recompute's new state kept", "driver.py",
-           "                    x, state, popped, drew = step.saved.pop(key)\n",
-           "                    x, state, popped, drew = step.saved.pop(key)\n"
-           "                    step.state[stage] = state\n",
+           "    x, state, popped, drew = step.saved.pop((stage, microbatch))\n",
+           "    x, state, popped, drew = step.saved.pop((stage, microbatch))\n"
+           "    step.state[stage] = state\n",
            ("tests/test_state.py",)),
 )
 
