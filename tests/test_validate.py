@@ -1,7 +1,6 @@
 """validate(): every rule of contract 6, each broken on purpose and named in the error."""
 
 import pickle
-import time
 
 import pytest
 from hypothesis import given
@@ -194,9 +193,9 @@ def test_inference_programs():
     assert rule_of(program.forward_only()).rule == "exactly-once"
 
 
-def test_validation_is_fast_on_large_programs():
+def test_validation_handles_large_programs():
+    """A program of over 40,000 actions validates (how fast is the benchmarks' business: a
+    wall-clock bound here would fail on a loaded machine, not on slow code)."""
     program = gpipe(1024).program(16)
     assert sum(map(len, program.workers)) > 40_000
-    start = time.perf_counter()
-    validate(program)
-    assert time.perf_counter() - start < 5.0
+    assert validate(program) is program
