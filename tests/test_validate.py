@@ -5,7 +5,7 @@ import pickle
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from schedule_strategies import needs, programs
+from schedule_strategies import needs, programs, research_cases, run_by_hand, schedule_cases
 
 from fpipe.schedules import Action, Op, Program, ScheduleError, gpipe, validate
 from fpipe.schedules.validate import execution_order
@@ -27,9 +27,20 @@ def edit(program, worker, actions):
 
 @given(programs())
 def test_valid_programs_validate(program):
+    # Valid by a reference outside fpipe: the test's own event loop runs every action.
+    assert run_by_hand(program) is None
     assert validate(program) is program
     inference = program.forward_only()
+    assert run_by_hand(inference, training=False) is None
     assert validate(inference, training=False) is inference
+
+
+@given(st.one_of(schedule_cases(), research_cases()))
+def test_shipped_schedules_run_by_hand(case):
+    schedule, n_stages = case
+    program = schedule.program(n_stages)
+    assert run_by_hand(program) is None
+    assert run_by_hand(program.forward_only(), training=False) is None
 
 
 @given(programs())
