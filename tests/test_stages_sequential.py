@@ -365,4 +365,22 @@ def test_gpt_example_learns_and_hands_the_model_back(capsys):
     first, trained = example.main(["--steps", "8", "--schedule", "1f1b"])
     # The loss is that of the GPT's own forward after load_into, on fresh data.
     assert trained < 0.7 * first
-    assert "loss" in capsys.readouterr().out
+    assert "-> " in capsys.readouterr().out
+    # The same training on the GPT itself in plain autograd (the pipeline draws one number
+    # per step from the CPU generator, the step's seed, so the reference draws it too).
+    torch.manual_seed(0)
+    gpt = example.GPT(64, context=32, width=64, depth=4, heads=4)
+    optimizer = torch.optim.Adam(gpt.parameters(), lr=3e-3)
+    for step in range(8):
+        ids, targets = example.synthetic_batch(32, 32, 64)
+        torch.empty((), dtype=torch.int64).random_()
+        loss = example.next_token_loss(gpt(ids), targets)
+        if step == 0:
+            assert first == pytest.approx(loss.item(), rel=1e-5)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ids, targets = example.synthetic_batch(32, 32, 64)
+    with torch.no_grad():
+        assert trained == pytest.approx(example.next_token_loss(gpt(ids), targets).item(),
+                                        rel=1e-3)
