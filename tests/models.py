@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 import optree
@@ -71,6 +72,12 @@ def two_stages_per_worker(chunks: int) -> Program:
         actions += [f"{first}B{m}" for m in reversed(range(chunks))]
         workers.append(actions)
     return Program(workers, n_stages=4, n_microbatches=chunks)
+
+
+def fpipe_workers() -> set[threading.Thread]:
+    """fpipe's own live worker threads (named ``fpipe-worker-*``). Tests compare these sets,
+    never the process's thread count, which other libraries and test runners change."""
+    return {t for t in threading.enumerate() if t.name.startswith("fpipe-worker-")}
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -70,21 +70,65 @@ def reference_stats(x, chunks, steps):
     return [{k: v for k, v in m.state_dict().items() if "running" in k} for m in whole_batch]
 
 
-def test_gradients_are_those_of_per_microbatch_batchnorm():
-    chunks = 3
+def by_hand(params, x, target, chunks, steps=1, eps=1e-5, momentum=0.1):
+    """``split_model`` written out: each BatchNorm normalises a micro-batch by that
+    micro-batch's own statistics (biased variance), the loss is the size-weighted sum of the
+    micro-batches' losses, and the running statistics move once per step, by the whole batch's
+    mean and unbiased variance of that layer's inputs. Returns (loss, grads, running stats)."""
+    leaves = [{k: v.detach().clone().requires_grad_() for k, v in p.items()} for p in params]
+    p0, p1 = leaves
+
+    def normalise(h, weight, bias, dims):
+        shape = (1, -1) + (1,) * (h.dim() - 2)
+        mean = h.mean(dims, keepdim=True)
+        var = ((h - mean) ** 2).mean(dims, keepdim=True)
+        return (h - mean) / torch.sqrt(var + eps) * weight.view(shape) + bias.view(shape)
+
+    loss, seen = 0.0, ([], [])
+    for xm, tm in zip(x.tensor_split(chunks), target.tensor_split(chunks)):
+        h = torch.nn.functional.conv2d(xm, p0["0.weight"], p0["0.bias"], padding=1)
+        seen[0].append(h.detach())
+        h = torch.relu(normalise(h, p0["1.weight"], p0["1.bias"], (0, 2, 3)))
+        h = h.flatten(1) @ p1["1.weight"].T + p1["1.bias"]
+        seen[1].append(h.detach())
+        y = normalise(h, p1["2.weight"], p1["2.bias"], (0,))
+        loss = loss + mse(y, tm) * xm.shape[0] / x.shape[0]
+    loss.backward()
+    stats = []
+    for inputs, dims in zip(seen, ((0, 2, 3), (0,))):
+        h = torch.cat(inputs)
+        count = h.numel() // h.shape[1]
+        mean = h.mean(dims)
+        var = ((h - mean.view((1, -1) + (1,) * (h.dim() - 2))) ** 2).sum(dims) / (count - 1)
+        running_mean, running_var = torch.zeros_like(mean), torch.ones_like(var)
+        for _ in range(steps):
+            running_mean = (1 - momentum) * running_mean + momentum * mean
+            running_var = (1 - momentum) * running_var + momentum * var
+        stats.append((running_mean, running_var))
+    return loss.detach(), [{k: v.grad for k, v in p.items()} for p in leaves], stats
+
+
+@pytest.mark.parametrize("schedule", [gpipe(chunks=4, remat="always"), one_f_one_b(chunks=4)])
+def test_gradients_and_statistics_match_a_hand_written_computation(schedule):
+    """Loss and gradients of per-micro-batch normalisation, running statistics of the whole
+    batch: against the computation written out in plain autograd, not against fpipe."""
+    chunks = schedule.chunks
     parts, params, state = split_model(chunks)
-    plain_parts, _, plain_state = split_model(chunks, deferred=False)
-    x = torch.randn(9, 3, 5, 5, dtype=torch.float64)
-    target = torch.randn(9, 6, dtype=torch.float64)
-    results = []
-    for modules, buffers in ((parts, state), (plain_parts, plain_state)):
-        with fpipe.pipeline([stage_of(p) for p in modules], params, state=buffers,
-                            schedule=gpipe(chunks=chunks), loss_fn=mse) as pipe:
-            results.append(pipe.value_and_grad(x, target))
-    (loss_d, grads_d, _), (loss_p, grads_p, _) = results
-    torch.testing.assert_close(loss_d, loss_p)
-    for a, b in zip(optree.tree_leaves(grads_d), optree.tree_leaves(grads_p)):
-        torch.testing.assert_close(a, b)
+    x = torch.randn(10, 3, 5, 5, dtype=torch.float64)  # uneven: 3, 3, 2, 2
+    target = torch.randn(10, 6, dtype=torch.float64)
+    with fpipe.pipeline([stage_of(p) for p in parts], params, state=state, schedule=schedule,
+                        loss_fn=mse) as pipe:
+        loss, grads, new_state = pipe.value_and_grad(x, target)
+        _, _, second = pipe.value_and_grad(x, target, state=new_state)
+    for got, steps in ((new_state, 1), (second, 2)):
+        expected_loss, expected_grads, stats = by_hand(params, x, target, chunks, steps)
+        if steps == 1:
+            torch.testing.assert_close(loss, expected_loss)
+            for a, e in zip(optree.tree_leaves(grads), optree.tree_leaves(expected_grads)):
+                torch.testing.assert_close(a, e)
+        for s, layer in enumerate(("1", "2")):
+            torch.testing.assert_close(got[s][f"{layer}.running_mean"], stats[s][0])
+            torch.testing.assert_close(got[s][f"{layer}.running_var"], stats[s][1])
 
 
 def test_eval_uses_running_stats_and_changes_nothing():

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from models import block, mlp_params, mse
+from models import block, fpipe_workers, mlp_params, mse
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b
@@ -46,37 +46,44 @@ def test_next_stage_runs_while_the_previous_one_is_busy(make):
 
 
 def test_threads_are_started_once_and_stopped_by_close():
-    before = threading.active_count()
+    before = fpipe_workers()
     pipe = fpipe.pipeline([block] * 4, mlp_params(4), schedule=gpipe(chunks=4), loss_fn=mse)
-    assert threading.active_count() == before  # nothing starts before the first step
+    assert not fpipe_workers() - before  # nothing starts before the first step
     x = torch.randn(8, 8, dtype=torch.float64)
+    started = None
     for _ in range(5):
         pipe.value_and_grad(x, x)
         pipe(x)
-        assert threading.active_count() == before + 3  # the caller's thread is worker 0
+        new = fpipe_workers() - before
+        assert len(new) == 3  # the caller's thread is worker 0
+        assert started is None or new == started  # the same threads, step after step
+        started = new
     pipe.close()
-    assert threading.active_count() == before
+    assert not any(t.is_alive() for t in started)
     pipe(x)  # usable again after close
+    assert len(fpipe_workers() - before - started) == 3
     pipe.close()
+    assert not fpipe_workers() - before
 
 
 def test_one_worker_starts_no_thread():
-    before = threading.active_count()
+    before = fpipe_workers()
     with fpipe.pipeline([block], mlp_params(1), schedule=gpipe(chunks=4), loss_fn=mse) as pipe:
         pipe.value_and_grad(torch.randn(8, 8, dtype=torch.float64),
                             torch.randn(8, 8, dtype=torch.float64))
-        assert threading.active_count() == before
+        assert not fpipe_workers() - before
 
 
 def test_garbage_collected_pipeline_stops_its_threads():
     import gc
-    before = threading.active_count()
+    before = fpipe_workers()
     pipe = fpipe.pipeline([block] * 3, mlp_params(3), schedule=gpipe(chunks=2), loss_fn=mse)
     pipe(torch.randn(4, 8, dtype=torch.float64))
-    assert threading.active_count() == before + 2
+    started = fpipe_workers() - before
+    assert len(started) == 2
     del pipe
     gc.collect()
-    assert threading.active_count() == before
+    assert not any(t.is_alive() for t in started)
 
 
 def test_one_pipeline_called_from_two_threads_gives_each_its_own_results():

@@ -18,7 +18,7 @@ from distributed_ranks import (
     spawn,
     stateful_case,
 )
-from models import block, mse, whole_batch
+from models import block, mlp_params, mse, whole_batch
 
 import fpipe
 import fpipe.distributed as fdist
@@ -95,11 +95,14 @@ def test_1f1b_with_large_activations_and_changing_shapes():
     assert codes == [0, 0]
     assert all("crash" not in r for r in results), results
     stages, schedule, steps = large_case()
-    for (loss, grads), rank_steps in zip(local_steps(stages, schedule, steps),
-                                         zip(*(r["steps"] for r in results))):
+    for (x, target), (loss, grads), rank_steps in zip(
+            steps, local_steps(stages, schedule, steps), zip(*(r["steps"] for r in results))):
+        expected_loss, expected_grads = whole_batch(stages, mlp_params(2), x, target, mse)
         for rank, (rank_loss, rank_grads) in enumerate(rank_steps):
+            torch.testing.assert_close(rank_loss, expected_loss, **TIGHT)
             torch.testing.assert_close(rank_loss, loss, **TIGHT)
             assert sorted(rank_grads) == [rank]
+            torch.testing.assert_close(rank_grads[rank], expected_grads[rank], **TIGHT)
             torch.testing.assert_close(rank_grads[rank], grads[rank], **TIGHT)
 
 
@@ -114,9 +117,13 @@ def test_concurrent_calls_are_refused_and_mismatched_calls_stop():
         kind, *refused = result["refused"]
         assert kind == "error" and refused[0] == "RuntimeError", refused
         assert "already running a step on another thread" in refused[1]
-        for outcome, (loss, grads) in zip((result["first"], result["second"]), expected):
+        for outcome, (loss, grads), (x, target) in zip((result["first"], result["second"]),
+                                                       expected, steps):
             assert outcome[0] == "ok", outcome
             rank_loss, rank_grads = outcome[1]
+            whole_loss, whole_grads = whole_batch([block] * 2, mlp_params(2), x, target, mse)
+            torch.testing.assert_close(rank_loss, whole_loss, **TIGHT)
+            torch.testing.assert_close(rank_grads[rank], whole_grads[rank], **TIGHT)
             torch.testing.assert_close(rank_loss, loss, **TIGHT)
             torch.testing.assert_close(rank_grads[rank], grads[rank], **TIGHT)
     # rank 0 asked to train while rank 1 asked to infer: both raise, naming the mismatch
@@ -144,7 +151,7 @@ def test_a_stage_raising_stops_every_rank_with_its_name(stage_raises):
             assert f"rank 2 failed, so rank {rank} stopped" in result["message"]
             assert "stage 2 failed in the forward of micro-batch 2: ValueError: sample 5 is " \
                    "cursed" in result["message"]
-        assert result["elapsed"] < 4  # well within the 5 s timeout: the failure is announced
+        assert "waited" not in result["message"]  # announced, not found out by a timeout
         assert result["again"] == "RuntimeError"  # a stopped pipeline refuses to run
 
 
@@ -158,8 +165,8 @@ def test_a_dying_rank_does_not_leave_the_others_hanging():
     assert codes[2] == 3 and results[2] is None
     for result in results[:2]:
         assert result["type"] in ("PeerError", "StageError"), result
-        assert "rank 2" in result["message"]
-        assert result["elapsed"] < 4
+        assert "lost rank 2" in result["message"], result  # the death was noticed:
+        assert "waited" not in result["message"], result  # no rank waited out its timeout
 
 
 def test_a_silent_rank_is_timed_out():
@@ -169,8 +176,9 @@ def test_a_silent_rank_is_timed_out():
     assert codes == [0, 0, 0]
     for result in results[:2]:
         assert result["type"] == "PeerError", result
-        assert "waited 5 s" in result["message"] or "rank 2" in result["message"], result
-        assert result["elapsed"] < 11  # the timeout, not the 12 s stall
+        # Gave up by the 5 s timeout (its own or its neighbour's, relayed), not after the
+        # 12 s stall: waiting that out would have ended in no error at all.
+        assert "waited 5 s" in result["message"], result
     assert results[2]["type"] is not None  # the stalled rank does not carry on as if all is well
 
 
@@ -186,18 +194,29 @@ def test_state_flows_as_in_the_local_driver():
     assert all("crash" not in r for r in results), results
     stages, schedule, steps = stateful_case()
     params = full_params("stateful", 2)
+    seen, total = [0, 0], [torch.zeros(8, dtype=torch.float64)] * 2  # by hand
     with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=mse,
                         state=fresh_state(2)) as local:
         state = local.state
         for i, (x, target) in enumerate(steps):
             loss, grads, state = local.value_and_grad(x, target, state=state)
+            # The counting stages' output is the block's: the whole batch's loss and grads.
+            whole_loss, whole_grads = whole_batch([block] * 2, params, x, target, mse)
+            for s, stage_input in enumerate((x, block(params[0], x))):
+                seen[s] += x.shape[0]
+                total[s] = total[s] + stage_input.sum(0)
             for rank, result in enumerate(results):
                 rank_loss, rank_grads, rank_state = result["steps"][i]
+                torch.testing.assert_close(rank_loss, whole_loss, **TIGHT)
                 torch.testing.assert_close(rank_loss, loss, **TIGHT)
                 assert sorted(rank_state) == [rank]
-                assert rank_state[rank]["seen"] == state[rank]["seen"]
+                assert rank_state[rank]["seen"] == state[rank]["seen"] == seen[rank]
+                torch.testing.assert_close(rank_state[rank]["total"], total[rank], **TIGHT)
                 torch.testing.assert_close(rank_state[rank]["total"], state[rank]["total"],
                                            **TIGHT)
+                for key in ("w", "b"):
+                    torch.testing.assert_close(rank_grads[rank][key], whole_grads[rank][key],
+                                               **TIGHT)
                 for key in ("w", "b"):
                     torch.testing.assert_close(rank_grads[rank][key], grads[rank][key], **TIGHT)
         y, state = local(steps[0][0], state=state)

@@ -4,13 +4,12 @@ a non-finite loss is never returned silently."""
 from __future__ import annotations
 
 import gc
-import threading
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import block, mlp_params, mse
+from models import block, fpipe_workers, mlp_params, mse
 
 import fpipe
 from fpipe import NonFiniteLossError
@@ -73,7 +72,7 @@ def test_a_fault_anywhere_is_named_and_the_pipeline_recovers(data, n_stages, chu
     target = torch.zeros_like(x)
     armed = {"on": True}
     stages = faulty(n_stages, (stage, microbatch, op), armed)
-    threads = threading.active_count()
+    threads = fpipe_workers()
     with fpipe.pipeline(stages, mlp_params(n_stages), schedule=make(chunks=chunks, remat="always"),
                         loss_fn=mse) as pipe:
         for _ in range(2):  # the same fault again: the first left nothing behind
@@ -88,7 +87,9 @@ def test_a_fault_anywhere_is_named_and_the_pipeline_recovers(data, n_stages, chu
         armed["on"] = False
         loss, _ = pipe.value_and_grad(x, target)  # the same pipeline runs the next step
         torch.testing.assert_close(loss, mse(x, target))
-    assert threading.active_count() == threads
+        started = fpipe_workers() - threads
+        assert len(started) == (pipe.program.n_workers - 1)  # none lost or added by faults
+    assert not any(t.is_alive() for t in started)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -123,13 +124,13 @@ def test_500_steps_keep_memory_and_threads_flat():
         for _ in range(100):  # warm up allocator caches and lazily built state
             pipe.value_and_grad(x, target)
         gc.collect()
-        threads, before = threading.active_count(), rss_bytes()
+        threads, before = fpipe_workers(), rss_bytes()
         for _ in range(400):
             pipe.value_and_grad(x, target)
             pipe(x)
         gc.collect()
         growth = rss_bytes() - before
-        assert threading.active_count() == threads
+        assert not fpipe_workers() - threads  # no thread started (or leaked) per step
     # A leak of one micro-batch's activations per step would be 400 x 4 x 16 x 32 x 8 bytes
     # = 6.5 MB at least; allocator noise stays well under 4 MB.
     assert growth < 4 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB"

@@ -11,10 +11,10 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from models import block, mlp_params, mse
+from models import TIGHT, assert_trees_close, block, mlp_params, mse
 
 import fpipe
-from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
+from fpipe.schedules import Op, gpipe, one_f_one_b, zero_bubble
 
 
 def switchable(flag):
@@ -134,3 +134,74 @@ def test_stages_that_never_draw_leave_no_trace_in_the_generator():
             torch.manual_seed(4)
             torch.empty((), dtype=torch.int64).random_()  # the step's one draw: its seed
             assert torch.equal(after, torch.rand(2))
+
+
+# --- Masks against a reference outside fpipe ------------------------------------------------
+# Comparing a pipeline with another pipeline cannot see a mask shared by every micro-batch (both
+# share it). Here each stage records the mask it drew, per sample and per call, and the test
+# checks the masks themselves and the gradients against plain autograd fed those masks.
+
+
+def recording_stage(record):
+    """A dropout block that records ``(recomputing, sample ids) -> keep mask``; the ids travel
+    with the activations as an integer tensor, so each call names its samples."""
+    def stage(p, x):
+        h = torch.tanh(x["h"] @ p["w"] + p["b"])
+        keep = torch.rand(h.shape, dtype=h.dtype) < 0.5  # a plain tensor, drawn by the stage
+        # A retried step (fpipe.rng) overwrites its first attempt's entries.
+        record[fpipe.is_recomputing(), tuple(x["ids"].tolist())] = keep.clone()
+        return {"h": h * keep / 0.5, "ids": x["ids"]}
+    return stage
+
+
+def masked_reference(params, x, target, masks):
+    """Loss and gradients of the whole batch in plain autograd, each stage dropping with the
+    whole-batch mask ``masks[s]`` (rows in sample order)."""
+    leaves = [{k: v.detach().clone().requires_grad_() for k, v in p.items()} for p in params]
+    h = x
+    for p, keep in zip(leaves, masks):
+        h = torch.tanh(h @ p["w"] + p["b"]) * keep / 0.5
+    loss = mse(h, target)
+    loss.backward()
+    return loss.detach(), [{k: v.grad for k, v in p.items()} for p in leaves]
+
+
+@pytest.mark.parametrize("schedule", [gpipe(4, remat="always"), gpipe(4, remat="except_last"),
+                                      one_f_one_b(4, remat="always"),
+                                      zero_bubble(4, remat="always")])
+def test_masks_differ_between_micro_batches_and_recomputes_redraw_them(schedule):
+    n_stages, n = 3, 8
+    records = [{} for _ in range(n_stages)]
+    params = mlp_params(n_stages)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 8, dtype=torch.float64, generator=gen)
+    target = torch.randn(n, 8, dtype=torch.float64, generator=gen)
+    batch = {"h": x, "ids": torch.arange(n)}
+    with fpipe.pipeline([recording_stage(r) for r in records], params, schedule=schedule,
+                        loss_fn=lambda y, t: mse(y["h"], t)) as pipe:
+        torch.manual_seed(0)
+        loss, grads = pipe.value_and_grad(batch, target)
+    program = schedule.program(n_stages)
+    recomputed = {(a.stage, a.microbatch) for w in program.workers for a in w
+                  if a.op is Op.RECOMPUTE}
+    micro_ids = [tuple(ids.tolist()) for ids in torch.arange(n).tensor_split(4)]
+    masks = []
+    for s, record in enumerate(records):
+        forwards = [record[False, ids] for ids in micro_ids]
+        # Every micro-batch draws its own mask (not one mask for the whole step).
+        for i in range(len(forwards)):
+            for j in range(i):
+                assert not torch.equal(forwards[i], forwards[j]), (s, i, j)
+        # Each recompute drew exactly its forward's mask.
+        for m, ids in enumerate(micro_ids):
+            if (s, m) in recomputed:
+                assert torch.equal(record[True, ids], forwards[m]), (s, m)
+            else:
+                assert (True, ids) not in record
+        masks.append(torch.cat(forwards))
+    assert 0.3 < torch.stack(masks).double().mean() < 0.7  # the masks really drop
+    # The gradients are those of the recorded forward masks: a recompute that drew another
+    # mask would give the gradients of a model the forward never ran.
+    expected_loss, expected_grads = masked_reference(params, x, target, masks)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert_trees_close(grads, expected_grads)

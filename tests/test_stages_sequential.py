@@ -357,7 +357,25 @@ def test_load_into_errors():
 def test_readme_from_module_snippet_runs():
     text = (ROOT / "README.md").read_text()
     code = re.search(r"## From nn.Module\n.*?```python\n(.*?)```", text, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+    torch.manual_seed(0)
+    snippet = {}
+    exec(compile(code, "README.md", "exec"), snippet)
+    # The same five Adam steps on the module itself in plain autograd (one draw per step
+    # from the CPU generator: the pipeline's step seed): load_into handed back these weights.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64),
+                          nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    x, target = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    torch.testing.assert_close(x, snippet["x"], rtol=0, atol=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(5):
+        torch.empty((), dtype=torch.int64).random_()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), target).backward()
+        optimizer.step()
+    trained = dict(snippet["model"].named_parameters())
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
 
 
 def test_gpt_example_learns_and_hands_the_model_back(capsys):
@@ -365,4 +383,22 @@ def test_gpt_example_learns_and_hands_the_model_back(capsys):
     first, trained = example.main(["--steps", "8", "--schedule", "1f1b"])
     # The loss is that of the GPT's own forward after load_into, on fresh data.
     assert trained < 0.7 * first
-    assert "loss" in capsys.readouterr().out
+    assert "-> " in capsys.readouterr().out
+    # The same training on the GPT itself in plain autograd (the pipeline draws one number
+    # per step from the CPU generator, the step's seed, so the reference draws it too).
+    torch.manual_seed(0)
+    gpt = example.GPT(64, context=32, width=64, depth=4, heads=4)
+    optimizer = torch.optim.Adam(gpt.parameters(), lr=3e-3)
+    for step in range(8):
+        ids, targets = example.synthetic_batch(32, 32, 64)
+        torch.empty((), dtype=torch.int64).random_()
+        loss = example.next_token_loss(gpt(ids), targets)
+        if step == 0:
+            assert first == pytest.approx(loss.item(), rel=1e-5)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ids, targets = example.synthetic_batch(32, 32, 64)
+    with torch.no_grad():
+        assert trained == pytest.approx(example.next_token_loss(gpt(ids), targets).item(),
+                                        rel=1e-3)

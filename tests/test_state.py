@@ -6,7 +6,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from models import block, mlp_params, mse
+from models import TIGHT, assert_trees_close, block, mlp_params, mse
 from torch.func import functional_call, grad_and_value
 
 import fpipe
@@ -137,3 +137,56 @@ def test_state_errors():
                         state=fresh_state(1)) as pipe:
         with pytest.raises(fpipe.StageError, match=r"must return \(y, new_state\)"):
             pipe(torch.randn(2, 8, dtype=torch.float64))
+
+
+# --- A state the output depends on, against a hand-written loop -------------------------------
+
+
+def shifted(p, state, x):
+    """A block whose pre-activation is shifted by its state, a running mean of its inputs:
+    the output, and so a recompute's vjp, depends on which state the call is given."""
+    y = torch.tanh(x @ p["w"] + p["b"] + state["c"])
+    return y, {"c": 0.5 * state["c"] + 0.5 * x.detach().mean(0), "calls": state["calls"] + 1}
+
+
+def shifted_reference(params, state, x, target, chunks):
+    """One step in plain autograd, micro-batch by micro-batch: (loss, grads, new state)."""
+    leaves = [{k: v.detach().clone().requires_grad_() for k, v in p.items()} for p in params]
+    state = [dict(s) for s in state]
+    loss = 0.0
+    for xm, tm in zip(x.tensor_split(chunks), target.tensor_split(chunks)):
+        h = xm
+        for p, s in zip(leaves, state):
+            h_in = h
+            h = torch.tanh(h_in @ p["w"] + p["b"] + s["c"])
+            s["c"], s["calls"] = 0.5 * s["c"] + 0.5 * h_in.detach().mean(0), s["calls"] + 1
+        loss = loss + mse(h, tm) * xm.shape[0] / x.shape[0]
+    loss.backward()
+    return loss.detach(), [{k: v.grad for k, v in p.items()} for p in leaves], state
+
+
+@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+def test_a_state_the_output_uses_matches_a_hand_written_loop(make, remat):
+    """A recompute must see the state its forward saw (not the state after it): checked under
+    every remat policy, for two steps, against plain autograd looping over micro-batches."""
+    n_stages, chunks = 3, 4
+    params = mlp_params(n_stages)
+    gen = torch.Generator().manual_seed(2)
+    state = [{"c": torch.randn(8, dtype=torch.float64, generator=gen), "calls": 0}
+             for _ in range(n_stages)]
+    x = torch.randn(10, 8, dtype=torch.float64, generator=gen)  # uneven: 3, 3, 2, 2
+    target = torch.randn(10, 8, dtype=torch.float64, generator=gen)
+    expected_state = state
+    with fpipe.pipeline([shifted] * n_stages, params, schedule=make(chunks, remat=remat),
+                        loss_fn=mse, state=state) as pipe:
+        for _ in range(2):
+            expected_loss, expected_grads, expected_state = shifted_reference(
+                params, expected_state, x, target, chunks)
+            loss, grads, state = pipe.value_and_grad(x, target, state=state)
+            torch.testing.assert_close(loss, expected_loss, **TIGHT)
+            assert_trees_close(grads, expected_grads)
+            for got, want in zip(state, expected_state):
+                assert got["calls"] == want["calls"]
+                torch.testing.assert_close(got["c"], want["c"], **TIGHT)
+    assert state[0]["calls"] == 2 * chunks

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from schedule_strategies import run_by_hand
 
 from fpipe.schedules import Op, ScheduleError, validate
 from fpipe.schedules.strategies import CORRUPTIONS, corruptions, programs
@@ -22,6 +23,7 @@ def ops(program):
 
 @given(programs())
 def test_programs_are_valid(program):
+    assert run_by_hand(program) is None
     validate(program)
     assert program.n_workers <= program.n_stages
 
@@ -48,6 +50,8 @@ def test_inference_programs(program):
 
 
 def rejected(program, rule):
+    # Invalid by a reference outside fpipe too: the test's own event loop cannot run it.
+    assert run_by_hand(program) is not None, program
     with pytest.raises(ScheduleError) as info:
         validate(program)
     assert info.value.rule == rule, f"{info.value}\nexpected rule {rule!r}"

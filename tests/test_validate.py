@@ -1,12 +1,11 @@
 """validate(): every rule of contract 6, each broken on purpose and named in the error."""
 
 import pickle
-import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from schedule_strategies import needs, programs
+from schedule_strategies import needs, programs, research_cases, run_by_hand, schedule_cases
 
 from fpipe.schedules import Action, Op, Program, ScheduleError, gpipe, validate
 from fpipe.schedules.validate import execution_order
@@ -28,9 +27,20 @@ def edit(program, worker, actions):
 
 @given(programs())
 def test_valid_programs_validate(program):
+    # Valid by a reference outside fpipe: the test's own event loop runs every action.
+    assert run_by_hand(program) is None
     assert validate(program) is program
     inference = program.forward_only()
+    assert run_by_hand(inference, training=False) is None
     assert validate(inference, training=False) is inference
+
+
+@given(st.one_of(schedule_cases(), research_cases()))
+def test_shipped_schedules_run_by_hand(case):
+    schedule, n_stages = case
+    program = schedule.program(n_stages)
+    assert run_by_hand(program) is None
+    assert run_by_hand(program.forward_only(), training=False) is None
 
 
 @given(programs())
@@ -194,9 +204,9 @@ def test_inference_programs():
     assert rule_of(program.forward_only()).rule == "exactly-once"
 
 
-def test_validation_is_fast_on_large_programs():
+def test_validation_handles_large_programs():
+    """A program of over 40,000 actions validates (how fast is the benchmarks' business: a
+    wall-clock bound here would fail on a loaded machine, not on slow code)."""
     program = gpipe(1024).program(16)
     assert sum(map(len, program.workers)) > 40_000
-    start = time.perf_counter()
-    validate(program)
-    assert time.perf_counter() - start < 5.0
+    assert validate(program) is program
