@@ -24,6 +24,7 @@ from residual import stage
 from torch.func import vjp
 
 import fpipe
+from fpipe._runtime.split_backward import split_vjp
 from fpipe.schedules import (
     Costs,
     colocate,
@@ -34,7 +35,6 @@ from fpipe.schedules import (
     write_chrome_trace,
     zero_bubble,
 )
-from fpipe.split_backward import split_vjp
 
 
 def stage_costs(stage_params: list, x: torch.Tensor, repeat: int) -> tuple[Costs, tuple]:

@@ -4,9 +4,9 @@
 
 One stage of residual MLP blocks (Linear, ReLU, Linear) on one thread: the time of a forward
 and backward through ``torch.func.vjp`` (what B runs) beside the same forward through
-``fpipe.split_backward.split_vjp`` followed by its input half (I) and weight half (W). The split
-runs each node's arithmetic once; what it adds is host work (a walk of the graph, one autograd
-call per recorded node), so the relative cost falls as the layers grow.
+``fpipe._runtime.split_backward.split_vjp`` followed by its input half (I) and weight half
+(W). The split runs each node's arithmetic once; what it adds is host work (a walk of the
+graph, one autograd call per recorded node), so the relative cost falls as the layers grow.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from common import parser, report, seconds_per_call
 from torch.func import vjp
 
-from fpipe.split_backward import split_vjp
+from fpipe._runtime.split_backward import split_vjp
 
 
 def stage(params: list, inputs: list) -> list:

@@ -1,6 +1,6 @@
 """The same interpreter over ``torch.distributed``: one rank per worker of the program.
 
-Rank ``w`` runs worker ``w``'s actions with :class:`fpipe.driver.Interpreter`, so a stage
+Rank ``w`` runs worker ``w``'s actions with :class:`fpipe._runtime.driver.Interpreter`, so a stage
 computes exactly what it computes in the local driver. Only the channel differs: values cross
 ranks as point-to-point messages, each a length, a pickled header (key, tree structure, shapes,
 dtypes and non-tensor leaves) and the tensor leaves. Nothing about shapes is frozen, so they may
@@ -54,17 +54,17 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe import microbatch
-from fpipe.autodiff import Value, flatten
-from fpipe.driver import Interpreter, Step, compiled
+from fpipe._runtime import microbatch
+from fpipe._runtime.autodiff import Value, flatten
+from fpipe._runtime.driver import Interpreter, Step, compiled
+from fpipe._runtime.rng import StepSeed
+from fpipe._runtime.stream import Transport
+from fpipe._runtime.workers import Aborted
 from fpipe.errors import BatchError, PeerError, PlacementError, StageError, Where, where
 from fpipe.pipeline import check_params, check_state, stage_devices
-from fpipe.rng import StepSeed
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
-from fpipe.stream import Transport
 from fpipe.timeline import Recorder
-from fpipe.workers import Aborted
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
 

@@ -14,9 +14,9 @@ from typing import Any
 import optree
 import torch
 
-from fpipe import microbatch
-from fpipe.autodiff import flatten
-from fpipe.driver import LocalDriver
+from fpipe._runtime import microbatch
+from fpipe._runtime.autodiff import flatten
+from fpipe._runtime.driver import LocalDriver
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
 from fpipe.schedules.actions import program_of
 from fpipe.timeline import Recorder

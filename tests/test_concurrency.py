@@ -18,7 +18,7 @@ def test_next_stage_runs_while_the_previous_one_is_busy(make):
     the workers one after the other would never get there (the wait would time out).
 
     The first step learns that the stages draw no random numbers (their first calls run
-    seeded, holding the CPU generator alone, see fpipe.rng); from then on they share it."""
+    seeded, holding the CPU generator alone, see fpipe._runtime.rng); from then on they share it."""
     started_next = threading.Event()
     threads = {}
     learnt = []

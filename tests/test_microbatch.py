@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fpipe import BatchError
-from fpipe.microbatch import batch_size, join, sizes, split
+from fpipe._runtime.microbatch import batch_size, join, sizes, split
 
 
 @given(n=st.integers(1, 200), chunks=st.integers(1, 64))

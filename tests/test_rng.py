@@ -148,7 +148,7 @@ def recording_stage(record):
     def stage(p, x):
         h = torch.tanh(x["h"] @ p["w"] + p["b"])
         keep = torch.rand(h.shape, dtype=h.dtype) < 0.5  # a plain tensor, drawn by the stage
-        # A retried step (fpipe.rng) overwrites its first attempt's entries.
+        # A retried step (fpipe._runtime.rng) overwrites its first attempt's entries.
         record[fpipe.is_recomputing(), tuple(x["ids"].tolist())] = keep.clone()
         return {"h": h * keep / 0.5, "ids": x["ids"]}
     return stage

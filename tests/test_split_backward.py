@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fpipe.split_backward import split_vjp
+from fpipe._runtime.split_backward import split_vjp
 
 DOUBLE = {"dtype": torch.float64}
 

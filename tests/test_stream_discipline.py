@@ -8,13 +8,13 @@ cannot show and a GPU shows only sometimes. The discipline itself can be checked
 so this test checks it on the CPU, where every CUDA path of fpipe is the identity.
 
 What is checked, precisely: every aten op dispatched while a worker job runs, that is inside
-:meth:`fpipe.driver.Interpreter.run`, on whichever thread runs the job (worker 0 runs on the
-caller's thread). Each such op must run inside a compute scope or a copy. Ops the caller runs
+:meth:`fpipe._runtime.driver.Interpreter.run`, on whichever thread runs the job (worker 0 runs
+on the caller's thread). Each such op must run inside a compute scope or a copy. Ops the caller runs
 before and after the step (moving and splitting the batch, joining outputs, stacking losses,
 cloning gradients) are not worker ops: they run on the caller's current stream, which
 ``Transport.begin_step`` / ``end_step`` order against the step's streams.
 
-How it is installed without touching the driver: ``fpipe.driver.Transport`` (which the
+How it is installed without touching the driver: ``fpipe._runtime.driver.Transport`` (which the
 ``LocalDriver`` builds) is replaced by :class:`ScopedTransport`, which marks, per thread,
 when code is inside ``compute`` or a copy; and ``Interpreter.run`` is wrapped so that every job
 pushes an :class:`OpLog` dispatch mode for its whole duration. The checks also demand ops
@@ -38,9 +38,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fpipe
-import fpipe.driver
+import fpipe._runtime.driver
+from fpipe._runtime.stream import Transport
 from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
-from fpipe.stream import Transport
 
 FPIPE = Path(fpipe.__file__).resolve().parent
 
@@ -99,8 +99,8 @@ class OpLog(TorchDispatchMode):
 
 def _where() -> str:
     """Where the op was called from: the innermost frame outside torch, as
-    ``fpipe/driver.py:accumulate``, followed by the innermost fpipe frame when that differs
-    (an op from a stage or a test: ``test.py:stray < fpipe/driver.py:_run``)."""
+    ``fpipe/_runtime/driver.py:accumulate``, followed by the innermost fpipe frame when that differs
+    (an op from a stage or a test: ``test.py:stray < fpipe/_runtime/driver.py:_run``)."""
     frames = []
     frame = sys._getframe(2)  # past this function and __torch_dispatch__
     while frame is not None:
@@ -119,14 +119,14 @@ def _where() -> str:
 def ops(monkeypatch) -> list[Op]:
     """Installs the scoped transport and an op log in every worker job; yields the log."""
     log: list[Op] = []
-    run = fpipe.driver.Interpreter.run
+    run = fpipe._runtime.driver.Interpreter.run
 
     def logged_run(self, *args, **kwargs):
         with OpLog(log):
             return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(fpipe.driver, "Transport", ScopedTransport)
-    monkeypatch.setattr(fpipe.driver.Interpreter, "run", logged_run)
+    monkeypatch.setattr(fpipe._runtime.driver, "Transport", ScopedTransport)
+    monkeypatch.setattr(fpipe._runtime.driver.Interpreter, "run", logged_run)
     return log
 
 
@@ -197,19 +197,19 @@ def test_gpipe_module_forward_runs_in_scopes(ops):
 def test_an_op_outside_every_scope_is_flagged(ops, monkeypatch):
     """The check itself: an op a worker runs between actions (here where the driver counts a
     recompute's input gradients, outside its compute scope) must be reported."""
-    real = fpipe.driver._grad_counts
+    real = fpipe._runtime.driver._grad_counts
 
     def stray(*args):
         torch.zeros(()).add_(1)
         return real(*args)
 
-    monkeypatch.setattr(fpipe.driver, "_grad_counts", stray)
+    monkeypatch.setattr(fpipe._runtime.driver, "_grad_counts", stray)
     with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2, remat="always"),
                         loss_fn=mse) as pipe:
         x = torch.randn(4, 8, dtype=torch.float64)
         pipe.value_and_grad(x, x)
     flagged = (r"aten\.add_\.Tensor at test_stream_discipline\.py:stray"
-               r" < fpipe/driver\.py:_recompute")
+               r" < fpipe/_runtime/driver\.py:_recompute")
     with pytest.raises(AssertionError, match=flagged):
         check_discipline(ops, 2 * 2)
 
@@ -277,7 +277,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d: current.get(d, "default"))
-    monkeypatch.setattr(fpipe.stream, "_copy", copy)
+    monkeypatch.setattr(fpipe._runtime.stream, "_copy", copy)
     return transport, log
 
 

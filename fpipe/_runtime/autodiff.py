@@ -16,9 +16,9 @@ import optree
 import torch
 from torch.func import vjp
 
-from fpipe.compiled import autograd_vjp, batch_dynamic, is_compiled
+from fpipe._runtime.compiled import autograd_vjp, batch_dynamic, is_compiled
+from fpipe._runtime.split_backward import split_vjp
 from fpipe.errors import StageError
-from fpipe.split_backward import split_vjp
 
 __all__ = ["Value", "StageCall", "flatten", "differentiable", "check_output", "describe"]
 
@@ -70,8 +70,8 @@ class StageCall:
         self.stateful = stateful
         self.pops = pops
         self.stashes = stashes
-        # A compiled stage is differentiated by torch.autograd (see fpipe.compiled), and so is
-        # every stage with autodiff="autograd": the same vjp, without functorch's per-op cost.
+        # A compiled stage is differentiated by torch.autograd (see fpipe._runtime.compiled), and
+        # so is every stage with autodiff="autograd": the same vjp, without functorch's per-op cost.
         self.compiled = is_compiled(fn)
         self._vjp = autograd_vjp if self.compiled or autodiff == "autograd" else vjp
 
@@ -96,7 +96,7 @@ class StageCall:
                     split: bool = False) -> tuple[Any, Any, Any]:
         """The outputs (or scaled loss), the new state, and the function mapping the outputs'
         cotangents to ``(param_grads, input_grads)``, lists of leaves in output and input
-        order; with ``split``, a :class:`~fpipe.split_backward.SplitVJP` giving the two
+        order; with ``split``, a :class:`~fpipe._runtime.split_backward.SplitVJP` giving the two
         halves."""
         inputs = (x, *popped)
         index = [value.grad_index if self.grad_input else () for value in inputs]

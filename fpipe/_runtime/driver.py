@@ -2,7 +2,7 @@
 
 The driver knows no particular schedule. Each worker of the program becomes a thread that
 executes its actions in order; activations and cotangents go to the worker that needs them
-through its inbox, crossing devices on copy streams (see :mod:`fpipe.stream`). A program is
+through its inbox, crossing devices on copy streams (see :mod:`fpipe._runtime.stream`). A program is
 validated and compiled once into per-worker tuples, so a step allocates little beyond the
 values it carries.
 
@@ -23,18 +23,18 @@ from typing import Any, Protocol
 import optree
 import torch
 
-from fpipe.autodiff import StageCall, Value, describe
+from fpipe._runtime.autodiff import StageCall, Value, describe
+from fpipe._runtime.rng import RandomStages, StepSeed, UnseededDraws
+from fpipe._runtime.split_backward import SplitVJP
+from fpipe._runtime.stream import Transport
+from fpipe._runtime.thread_state import ThreadState
+from fpipe._runtime.workers import Aborted, Inbox, WorkerPool
 from fpipe.errors import StageError, Where, locate
 from fpipe.recompute import recomputing
-from fpipe.rng import RandomStages, StepSeed, UnseededDraws
 from fpipe.schedules.actions import Action, Op, Program
 from fpipe.schedules.validate import validate
-from fpipe.split_backward import SplitVJP
 from fpipe.stages.skip import pops, skip_routes, stashes
-from fpipe.stream import Transport
-from fpipe.thread_state import ThreadState
 from fpipe.timeline import Recorder, StepClock
-from fpipe.workers import Aborted, Inbox, WorkerPool
 
 __all__ = ["LocalDriver", "TrainResult", "Interpreter", "Step", "Channel", "compiled"]
 
@@ -157,7 +157,7 @@ class Step:
         self.weights = weights
         self.sizes = sizes
         self.seed = seed
-        # Every stage call seeded (see fpipe.rng): a step run again after UnseededDraws.
+        # Every stage call seeded (see fpipe._runtime.rng): a step run again after UnseededDraws.
         self.seeded = seeded
         self.training = training
         # The caller's thread-local state, applied by every worker (None: run as the thread is).
@@ -543,7 +543,7 @@ class LocalDriver:
     def _step(self, program: Program, part: Callable[[tuple], tuple],
               start: Callable[..., Step]) -> Step:
         """Run ``part`` of a new step; if a stage drew random numbers unseeded (see
-        :mod:`fpipe.rng`), run the step again from its start, every call seeded."""
+        :mod:`fpipe._runtime.rng`), run the step again from its start, every call seeded."""
         step = start()
         try:
             self._run(program, step, part)
