@@ -19,7 +19,9 @@ import torch
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="a run of well under a minute")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run of well under a minute; a spawned rank's failure ends it "
+                        "with that rank's error")
     p.add_argument("--json", metavar="PATH", help="write the results here as JSON")
     return p
 
@@ -94,13 +96,21 @@ def _fmt(value: object) -> str:
 # -- several processes ---------------------------------------------------------------------------
 
 
-def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 600.0) -> list:
+def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 600.0,
+                strict: bool = False) -> list:
     """``target(rank, world, *args)`` on ``world`` fresh processes, one intra-op thread each,
     joined in a gloo group on 127.0.0.1 whose store this process hosts.
 
     Returns each rank's result in rank order: what ``target`` returned, ``{"error": text}`` if
-    it raised, or None if the rank died or outlived ``timeout`` (then it is killed). ``target``
-    must be importable by the children (a module-level function; ``spawn`` start method).
+    it raised or the rank exited without a result, or None for a rank that outlived
+    ``timeout`` or was stopped because another failed. ``target`` must be importable by the
+    children (a module-level function or a partial of one; ``spawn`` start method).
+
+    Fail fast: once one rank fails (raises or exits), the others get two seconds to report
+    (their errors may follow from it) and are then killed, since they could only wait for it
+    until their own timeouts. With ``strict`` (the quick smoke runs), a failed or timed-out
+    rank raises :class:`RankFailed` instead, with the failing rank's error: a rank that died
+    without a result first, else the first error reported, then the others' last lines.
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -115,23 +125,50 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
     for process in ranks:
         process.start()
     results: list = [None] * world
-    received, deadline = 0, time.monotonic() + timeout
+    pending, died, raised = set(range(world)), [], []
+    deadline = time.monotonic() + timeout
+    stop = deadline
     # Read while the ranks run (a result larger than a pipe's buffer would block its sender).
-    while received < world and time.monotonic() < deadline:
+    while pending and time.monotonic() < stop:
         try:
-            rank, result = results_queue.get(timeout=0.5)
+            rank, result = results_queue.get(timeout=0.2)
         except queue.Empty:
-            if not any(process.is_alive() for process in ranks) and results_queue.empty():
-                break
-            continue
-        results[rank] = result
-        received += 1
+            # The queue is drained: a rank that has exited unheard sent nothing before it died.
+            for r in sorted(pending):
+                if ranks[r].exitcode is not None:
+                    results[r] = {"error": f"rank {r} exited with code {ranks[r].exitcode} "
+                                           f"without a result"}
+                    pending.discard(r)
+                    died.append(r)
+        else:
+            results[rank] = result
+            pending.discard(rank)
+            if isinstance(result, dict) and "error" in result:
+                raised.append(rank)
+        if (died or raised) and stop == deadline:  # hear the others briefly, then stop them
+            stop = min(deadline, time.monotonic() + 2.0)
+    # A rank that died is the likely cause of its peers' errors (a connection closed by it).
+    failed = died + raised
     for process in ranks:
-        process.join(max(deadline - time.monotonic(), 1.0))
+        if not failed:
+            process.join(max(deadline - time.monotonic(), 1.0))
         if process.is_alive():
             process.kill()
             process.join()
+    if strict and failed:
+        first, *others = failed
+        also = "".join(f"\nthen rank {r}: {results[r]['error'].strip().splitlines()[-1]}"
+                       for r in others)
+        raise RankFailed(f"rank {first} of {world} failed, and the others were stopped:\n"
+                         f"{results[first]['error']}{also}")
+    if strict and pending:
+        raise RankFailed(f"ranks {sorted(pending)} of {world} did not finish within "
+                         f"{timeout:g} s")
     return results
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank failed in a strict run; the message holds that rank's error."""
 
 
 def _rank_main(target: Callable, rank: int, world: int, port: int, results_queue,
@@ -146,15 +183,18 @@ def _rank_main(target: Callable, rank: int, world: int, port: int, results_queue
     try:
         result = target(rank, world, *args)
     except Exception:  # noqa: BLE001 - reported to the parent, which makes it a row
-        result = {"error": traceback.format_exc(limit=3)}
+        result = {"error": traceback.format_exc()}
     results_queue.put((rank, result))
     dist.destroy_process_group()
 
 
-def run_jobs(rank: int, world: int, jobs: list, timeout: float = 60.0) -> list[dict]:
+def run_jobs(rank: int, world: int, jobs: list, timeout: float = 60.0,
+             strict: bool = False) -> list[dict]:
     """Run each ``job(rank, world, group)`` in turn on every rank of a spawned group, each with
     a fresh gloo group; a job that raises gives ``{"error": "Type: message"}`` and aborts its
-    group, which wakes the ranks waiting on this one, so the next job starts clean."""
+    group, which wakes the ranks waiting on this one, so the next job starts clean. With
+    ``strict`` (the quick smoke runs) a job that raises ends this rank with its exception,
+    which :func:`spawn_ranks` reports at once, stopping the other ranks."""
     import torch.distributed as dist
 
     results = []
@@ -163,6 +203,8 @@ def run_jobs(rank: int, world: int, jobs: list, timeout: float = 60.0) -> list[d
         try:
             results.append(job(rank, world, group))
         except Exception as exc:  # noqa: BLE001 - a failing configuration is a row, not a crash
+            if strict:
+                raise
             results.append({"error": error_text(exc)})
             dist.distributed_c10d._abort_process_group(group)
         dist.barrier()

@@ -14,8 +14,10 @@ model, batch and M micro-batches run as:
   schedule ``fpipe.schedules`` exports;
 - ``torch.distributed.pipelining`` with one process per rank: ScheduleGPipe, Schedule1F1B,
   ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (stages r and r+K on rank r),
-  ScheduleZBVZeroBubble and ScheduleDualPipeV (stages r and 2K-1-r). A schedule that fails
-  is a row with its error.
+  ScheduleZBVZeroBubble and ScheduleDualPipeV (stages r and 2K-1-r); without numpy (which
+  torch.distributed.pipelining needs, but neither torch nor fpipe requires) these rows are
+  marked not run. A schedule that fails is a row with its error (with --quick, a smoke run, a
+  failure on a spawned rank instead ends the run at once with that rank's error).
 speedup = naive-1 time / step time; bound = K*M/(M+K-1), the most a fill-drain pipeline can
 gain; efficiency = speedup / bound. *check* compares the step's loss and its first gradient
 with naive-1's. K larger than the machine's cores is run only when asked (--workers), and its
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import partial
 
 import torch
 from common import parser, report, run_jobs, seconds_per_call, spawn_ranks
 from residual import (
+    TORCH_PIPELINING_MISSING,
     Model,
     check,
     distributed_jobs,
@@ -122,10 +126,16 @@ def main() -> None:
                                     "failed", f"{type(exc).__name__}: {exc}"[:200]))
         if k in spawned:
             jobs = distributed_jobs(model, chunks_list, k, repeat)
-            results = spawn_ranks(run_jobs, k, [job for *_, job in jobs],
-                                  timeout=300 if args.quick else 1800)
-            for j, (driver, name, m, _) in enumerate(jobs):
+            runnable = [job for *_, job in jobs if job is not None]
+            results = spawn_ranks(partial(run_jobs, strict=args.quick), k, runnable,
+                                  timeout=120 if args.quick else 1800, strict=args.quick)
+            for driver, name, m, job in jobs:
                 bound = k * m / (m + k - 1)
+                if job is None:
+                    rows.append(row(k, m, driver, name, None, None, bound, "not run",
+                                    TORCH_PIPELINING_MISSING or ""))
+                    continue
+                j = runnable.index(job)
                 result = merge_ranks([r if r is None or isinstance(r, dict) else r[j]
                                       for r in results])
                 if "error" in result:

@@ -360,7 +360,8 @@ def main() -> None:
         if k > 1:
             jobs.append(partial(budget_job, width=width, batch=batch, chunks=m, budget=budget,
                                 tol=tol, start=start))
-        results = spawn_ranks(run_jobs, k, jobs, timeout=300 if args.quick else 3600)
+        results = spawn_ranks(partial(run_jobs, strict=args.quick), k, jobs,
+                              timeout=120 if args.quick else 3600, strict=args.quick)
         per_job = [[res if res is None or isinstance(res, dict) else res[j] for res in results]
                    for j in range(len(jobs))]
         for what, per_rank in zip([r["schedule"] for r in rows[2:]] + [pipelined], per_job):

@@ -8,6 +8,7 @@ naive loss and gradient. Also here: which fpipe schedules to run, and the rank-s
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -217,8 +218,15 @@ def torch_pipelining_job(rank: int, world: int, group, model: Model, name: str, 
     return {"seconds": seconds, "loss": loss, "grad0": grad0}
 
 
+#: Why torch.distributed.pipelining cannot run here, or None: its stages exchange their shapes
+#: with ``recv_object_list``, which needs numpy, a dependency of neither torch nor fpipe.
+TORCH_PIPELINING_MISSING = None if importlib.util.find_spec("numpy") else \
+    "torch.distributed.pipelining needs numpy: pip install numpy (or the [bench] extra)"
+
+
 def distributed_jobs(model: Model, chunks_list: list[int], world: int, repeat: int) -> list:
-    """(driver, schedule name, M, job) for every distributed configuration at ``world`` ranks."""
+    """(driver, schedule name, M, job) for every distributed configuration at ``world`` ranks;
+    job is None for one that cannot run here (:data:`TORCH_PIPELINING_MISSING`)."""
     jobs = []
     for chunks in chunks_list:
         for name, schedule, n_stages in fpipe_schedules(chunks, world):
@@ -226,21 +234,21 @@ def distributed_jobs(model: Model, chunks_list: list[int], world: int, repeat: i
                          partial(fpipe_distributed_job, model=model, schedule=schedule,
                                  n_stages=n_stages, repeat=repeat)))
         for name, per_rank, placement in TORCH_SCHEDULES:
-            jobs.append(("torch pipelining", name, chunks,
-                         partial(torch_pipelining_job, model=model, name=name,
-                                 per_rank=per_rank, placement=placement, chunks=chunks,
-                                 repeat=repeat)))
+            jobs.append(("torch pipelining", name, chunks, None if TORCH_PIPELINING_MISSING
+                         else partial(torch_pipelining_job, model=model, name=name,
+                                      per_rank=per_rank, placement=placement, chunks=chunks,
+                                      repeat=repeat)))
     return jobs
 
 
 def merge_ranks(results: list) -> dict:
     """One job's outcome from every rank's: rank 0's seconds, the loss and the stage-0 grad
-    norm from whichever rank has them, or the first error."""
+    norm from whichever rank has them, or the first error (before a rank that was stopped)."""
     for r in results:
-        if r is None:
-            return {"error": "a rank died or timed out"}
-        if "error" in r:
+        if r is not None and "error" in r:
             return r
+    if None in results:
+        return {"error": "a rank timed out or was stopped"}
     out = {"seconds": results[0]["seconds"]}
     for key in ("loss", "grad0"):
         out[key] = next((r[key] for r in results if r.get(key) is not None), None)

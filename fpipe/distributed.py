@@ -548,7 +548,7 @@ class _RankChannel:
         wait(dist.irecv(length, src, group=group))
         payload = torch.empty(int(length), dtype=torch.uint8, device=wire)
         wait(dist.irecv(payload, src, group=group))
-        key, spec, grad_index, metas = pickle.loads(payload.cpu().numpy().tobytes())
+        key, spec, grad_index, metas = pickle.loads(bytes(payload.cpu().tolist()))
         leaves, works = [], []
         for shape, meta in metas:
             if shape is None:

@@ -17,8 +17,8 @@ from fpipe.optim import bind_grads
 from fpipe.schedules import gpipe
 from fpipe.stages import from_sequential
 
-FORMATS = ["torch", pytest.param("safetensors", marks=pytest.mark.skipif(
-    importlib.util.find_spec("safetensors") is None, reason="safetensors is not installed"))]
+FORMATS = ["torch", pytest.param("safetensors", marks=[pytest.mark.needs_extra, pytest.mark.skipif(
+    importlib.util.find_spec("safetensors") is None, reason="safetensors is not installed")])]
 
 
 def model() -> nn.Sequential:

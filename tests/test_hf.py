@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.needs_extra  # [hf]
 pytest.importorskip("transformers")
 
 from models import load_example as load  # noqa: E402

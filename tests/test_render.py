@@ -135,6 +135,7 @@ def test_errors_stay_short_for_big_programs():
     assert "more workers wait behind them" in str(info.value)
 
 
+@pytest.mark.needs_extra  # [plot]
 @pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".svg", b"<svg")])
 def test_draw_writes_a_chart(tmp_path, suffix, magic):
     pytest.importorskip("matplotlib")
