@@ -57,11 +57,12 @@ import torch.distributed as dist
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import Value, flatten
 from fpipe._runtime.driver import Interpreter, Step, compiled
+from fpipe._runtime.engine import check_options, nonfinite_error
+from fpipe._runtime.placement import check_params, check_state, stage_devices
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.workers import Aborted
 from fpipe.errors import BatchError, PeerError, PlacementError, StageError, Where, where
-from fpipe.pipeline import check_params, check_state, stage_devices
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.timeline import Recorder
@@ -107,6 +108,7 @@ def my_stages(schedule: Any, n_stages: int, rank: int | None = None) -> tuple[in
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
              loss_fn: Callable | None = None, device: torch.device | str | None = None,
              timeout: float = 60.0, state: Mapping[int, Any] | None = None,
+             nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
              autodiff: str = "func") -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
     ``schedule`` and ``loss_fn``.
@@ -121,10 +123,12 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
         state: ``{stage: pytree}`` of this rank's stages' state, as ``state=`` of
             :func:`fpipe.pipeline`: every stage is then ``stage(params, state, x) ->
             (y, new_state)``, and calls also return this rank's new ``{stage: state}``.
-        autodiff: ``"func"`` or ``"autograd"``, as for :func:`fpipe.pipeline`.
+        nonfinite, grad_dtype, autodiff: as for :func:`fpipe.pipeline` (a non-finite loss
+            raises :class:`fpipe.NonFiniteLossError` on every rank).
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
-                               device=device, timeout=timeout, state=state, autodiff=autodiff)
+                               device=device, timeout=timeout, state=state, nonfinite=nonfinite,
+                               grad_dtype=grad_dtype, autodiff=autodiff)
 
 
 class DistributedPipeline:
@@ -143,7 +147,10 @@ class DistributedPipeline:
     def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, state: Mapping[int, Any] | None = None,
+                 nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
                  autodiff: str = "func") -> None:
+        check_options(nonfinite, grad_dtype)
+        self.nonfinite = nonfinite
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
@@ -178,7 +185,8 @@ class DistributedPipeline:
         self.interpreter = Interpreter(
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
-            autodiff=autodiff, concurrent=False)  # one thread a rank: every draw seeded
+            grad_dtype=grad_dtype, autodiff=autodiff,
+            concurrent=False)  # one thread a rank: every draw seeded
         backend = backend_for(self.device)
         # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
         self.wire = self.device if backend == "nccl" else torch.device("cpu")
@@ -217,7 +225,12 @@ class DistributedPipeline:
         ``record`` receives this rank's timeline."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        step, loss = self._step(self.program, True, x, target, params, state, record)
+        step, (loss, parts) = self._step(self.program, True, x, target, params, state, record)
+        # Every rank has each micro-batch's loss, so every rank refuses a non-finite one; the
+        # step itself ended in lockstep, so the pipeline stays usable.
+        error = nonfinite_error(parts) if self.nonfinite == "raise" else None
+        if error is not None:
+            raise error
         grads = step.grads_out()
         grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
                  for s in self.stages_held}
@@ -284,7 +297,7 @@ class DistributedPipeline:
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None) -> tuple[Step, torch.Tensor | None]:
+              record: Recorder | None) -> tuple[Step, tuple | None]:
         """One step, alone: a second thread's call while one runs is refused rather than
         queued, since nothing could make two threads' calls reach every rank in one order."""
         if not self._running.acquire(blocking=False):
@@ -299,7 +312,7 @@ class DistributedPipeline:
 
     def _step_alone(self, program: Program, training: bool, x: Any, target: Any,
                     params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-                    record: Recorder | None) -> tuple[Step, torch.Tensor | None]:
+                    record: Recorder | None) -> tuple[Step, tuple | None]:
         if self.broken is not None:
             raise RuntimeError("this distributed pipeline stopped after a failure and cannot "
                                "run again; restart the job") from self.broken
@@ -320,7 +333,7 @@ class DistributedPipeline:
 
     def _run(self, program: Program, training: bool, params: list, states: list, x: Any,
              target: Any, n: int, seed: int,
-             record: Recorder | None) -> tuple[Step, torch.Tensor | None]:
+             record: Recorder | None) -> tuple[Step, tuple | None]:
         owners, last = program.placement, len(params) - 1
         sizes = microbatch.sizes(n, self.chunks)
         inputs = targets = None
@@ -365,17 +378,19 @@ class DistributedPipeline:
                                f"same calls in the same order")
         return n, seed
 
-    def _finish(self, step: Step, last: int, training: bool) -> torch.Tensor | None:
-        """Broadcast the loss from the rank of the last stage; every step ends in lockstep."""
-        message = torch.zeros(2, dtype=torch.float64, device=self.wire)
+    def _finish(self, step: Step, last: int, training: bool) -> tuple | None:
+        """Broadcast the loss (its sum, dtype and each micro-batch's part) from the rank of the
+        last stage; every step ends in lockstep. Returns ``(loss, parts)`` in training."""
+        message = torch.zeros(2 + self.chunks, dtype=torch.float64, device=self.wire)
         if self.rank == last and training:
-            loss = torch.stack(step.outputs).sum()
-            message[0], message[1] = loss.detach(), _FLOATS.index(loss.dtype)
+            losses = torch.stack(step.outputs).detach()
+            message[0], message[1] = losses.sum(), _FLOATS.index(losses.dtype)
+            message[2:] = losses
         self._wait(dist.broadcast(message, last, group=self.group, async_op=True),
                    f"the loss from rank {last}", last)
         if not training:
             return None
-        return message[0].to(self.device, _FLOATS[int(message[1])])
+        return message[0].to(self.device, _FLOATS[int(message[1])]), message[2:]
 
     # -- failure -------------------------------------------------------------------------------
 

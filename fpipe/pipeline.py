@@ -8,7 +8,7 @@ results back into the caller's pytrees.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -17,7 +17,9 @@ import torch
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
 from fpipe._runtime.driver import LocalDriver
-from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
+from fpipe._runtime.engine import check_options, nonfinite_error
+from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe.errors import BatchError
 from fpipe.schedules.actions import program_of
 from fpipe.timeline import Recorder
 
@@ -103,12 +105,8 @@ class Pipeline:
                              f"one per stage (an empty dict for a stage without state)")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if nonfinite not in ("raise", "ignore"):
-            raise ValueError(f"nonfinite must be 'raise' or 'ignore', got {nonfinite!r}")
+        check_options(nonfinite, grad_dtype)
         self.nonfinite = nonfinite
-        if grad_dtype is not None and not (isinstance(grad_dtype, torch.dtype)
-                                           and grad_dtype.is_floating_point):
-            raise TypeError(f"grad_dtype must be a floating-point torch.dtype, got {grad_dtype!r}")
 
         self.stages = tuple(stages)
         self.schedule = schedule
@@ -171,13 +169,9 @@ class Pipeline:
         result = self._driver.train(self.program, leaves, states, inputs, targets,
                                     [size / n for size in sizes], sizes, record)
         losses = torch.stack(result.losses)
-        if self.nonfinite == "raise":
-            bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
-            if bad:
-                raise NonFiniteLossError(
-                    f"the loss is not finite on micro-batch(es) {bad} (values "
-                    f"{[losses[m].item() for m in bad]}); no gradient was returned. Build the "
-                    f"pipeline with nonfinite='ignore' to handle this yourself", bad)
+        error = nonfinite_error(losses) if self.nonfinite == "raise" else None
+        if error is not None:
+            raise error
         loss = losses.sum()
         grads = self._grad_trees(result.grads)
         return (loss, grads, result.state) if self.stateful else (loss, grads)
@@ -328,77 +322,3 @@ def _input_grads(inputs: list, found: list) -> Any:
         else:
             joined.append(torch.cat(column))
     return optree.tree_unflatten(inputs[0].spec, joined)
-
-
-def _path(path: tuple) -> str:
-    return "".join(f"[{key!r}]" for key in path)
-
-
-def device_of(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def check_params(params: Mapping[int, Any],
-                 devices: Mapping[int, torch.device] | Sequence[torch.device]) -> None:
-    """Every leaf of ``params[s]`` is a tensor on ``devices[s]``; errors name the leaf."""
-    for s, tree in params.items():
-        paths, leaves, _ = optree.tree_flatten_with_path(tree)
-        for path, leaf in zip(paths, leaves):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"params[{s}]{_path(path)} is a {type(leaf).__name__}, "
-                                f"not a tensor: parameter leaves must be tensors")
-            if not (leaf.is_floating_point() or leaf.is_complex()):
-                raise TypeError(f"params[{s}]{_path(path)} is a {str(leaf.dtype)[6:]} tensor: "
-                                f"parameters are differentiated, so they must be "
-                                f"floating-point (pass integer tensors as state=, or close "
-                                f"over them in the stage)")
-        _check_devices(s, tree, devices[s], "params", "parameter")
-
-
-def check_state(state: Mapping[int, Any],
-                devices: Mapping[int, torch.device] | Sequence[torch.device]) -> None:
-    """State leaves may be any value; the tensors of ``state[s]`` must be on ``devices[s]``."""
-    for s, tree in state.items():
-        _check_devices(s, tree, devices[s], "state", "state tensor")
-
-
-def _check_devices(stage: int, tree: Any, device: torch.device, name: str, what: str) -> None:
-    paths, leaves, _ = optree.tree_flatten_with_path(tree)
-    for path, leaf in zip(paths, leaves):
-        if isinstance(leaf, torch.Tensor) and device_of(leaf.device) != device:
-            raise PlacementError(
-                f"stage {stage} runs on {device} but its {what} {name}[{stage}]{_path(path)} "
-                f"is on {leaf.device}; fpipe never moves parameters or state: place them on "
-                f"the stage's device first"
-            )
-
-
-def stage_devices(params: Mapping[int, Any],
-                  devices: Sequence | None) -> tuple[torch.device, ...]:
-    """The device of each stage in ``params`` (stage -> pytree), in key order: as given, or
-    the one device all its parameters share."""
-    if devices is not None:
-        return tuple(device_of(d) for d in devices)
-    found: list[torch.device | None] = []
-    for s, tree in params.items():
-        paths, leaves, _ = optree.tree_flatten_with_path(tree)
-        seen: dict[torch.device, str] = {}
-        for path, leaf in zip(paths, leaves):
-            if isinstance(leaf, torch.Tensor):
-                seen.setdefault(device_of(leaf.device), f"params[{s}]{_path(path)}")
-        if len(seen) > 1:
-            listed = ", ".join(f"{where} on {device}" for device, where in seen.items())
-            raise PlacementError(f"stage {s}'s parameters are on several devices ({listed}); "
-                                 f"a stage runs on one device")
-        found.append(next(iter(seen), None))
-    # A stage without parameters runs where its neighbour does (the previous one first).
-    placed = [d for d in found if d is not None]
-    fallback = placed[0] if placed else torch.device("cpu")
-    result = []
-    for d in found:
-        fallback = d if d is not None else fallback
-        result.append(fallback)
-    return tuple(result)

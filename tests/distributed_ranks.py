@@ -400,6 +400,36 @@ def _outcome(fn, *args) -> tuple:
         return ("error", type(exc).__name__, str(exc))
 
 
+def options(rank: int, world: int) -> dict:
+    """The options ``fpipe.pipeline`` has, on ranks: ``grad_dtype`` (float32 parameters,
+    float64 sums) and ``nonfinite`` (a NaN target on micro-batch 1 refused on every rank, and
+    the pipeline usable after it; returned as it is with ``"ignore"``)."""
+    from fpipe.schedules import one_f_one_b
+    schedule = one_f_one_b(chunks=3)
+    held = fdist.my_stages(schedule, 2)
+    params = {s: p for s, p in enumerate(mlp_params(2, dtype=torch.float32)) if s in held}
+    x, target = data(6, 8, seed=13)
+    x, target = x.float(), target.float()
+    bad = target.clone()
+    bad[2] = float("nan")
+    pipe = fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse,
+                          grad_dtype=torch.float64, timeout=20)
+    first = rank == 0
+    last = rank == world - 1
+    loss, grads = pipe.value_and_grad(x if first else None, target if last else None)
+    result = {"loss": loss, "grads": grads}
+    try:
+        pipe.value_and_grad(x if first else None, bad if last else None)
+    except fpipe.NonFiniteLossError as exc:
+        result["refused"] = exc.microbatches
+    result["after"] = pipe.value_and_grad(x if first else None, target if last else None)[0]
+    ignoring = fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse,
+                              nonfinite="ignore", timeout=20)
+    result["ignored"] = ignoring.value_and_grad(x if first else None, bad if last else None)[0]
+    return result
+
+
 SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies,
              "rank_stalls": rank_stalls, "stateful": stateful, "large": large,
-             "large_cuda": large_cuda, "concurrent": concurrent}
+             "large_cuda": large_cuda, "concurrent": concurrent,
+             "options": options}

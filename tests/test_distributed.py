@@ -11,6 +11,7 @@ import torch
 from distributed_ranks import (
     cases,
     concurrent_case,
+    data,
     fresh_state,
     full_params,
     large_case,
@@ -224,3 +225,27 @@ def test_state_flows_as_in_the_local_driver():
     assert results[0]["y"] is None
     for rank, result in enumerate(results):
         assert result["state"][rank]["seen"] == state[rank]["seen"] == 7 + 5 + 7
+
+
+def test_grad_dtype_and_nonfinite_as_in_the_local_pipeline():
+    """The distributed face takes the options of ``fpipe.pipeline``: float64 gradient sums for
+    float32 parameters equal the local pipeline's, and a non-finite loss is refused on every
+    rank, naming the micro-batch, without breaking the pipeline."""
+    results, codes = spawn("options", 2)
+    assert codes == [0, 0]
+    assert all("crash" not in r for r in results), results
+    x, target = data(6, 8, seed=13)
+    x, target = x.float(), target.float()
+    params = mlp_params(2, dtype=torch.float32)
+    with fpipe.pipeline([block, block], params, schedule=one_f_one_b(chunks=3), loss_fn=mse,
+                        grad_dtype=torch.float64) as local:
+        loss, grads = local.value_and_grad(x, target)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["loss"], loss)
+        assert sorted(result["grads"]) == [rank]
+        for name, g in result["grads"][rank].items():
+            assert g.dtype == torch.float64
+            torch.testing.assert_close(g, grads[rank][name])
+        assert result["refused"] == [1]
+        torch.testing.assert_close(result["after"], loss)
+        assert torch.isnan(result["ignored"])
