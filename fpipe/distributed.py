@@ -56,10 +56,12 @@ import torch.distributed as dist
 
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import Value, flatten
-from fpipe._runtime.driver import Interpreter, Step, compiled
 from fpipe._runtime.engine import check_options, nonfinite_error
+from fpipe._runtime.instructions import compiled
+from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.placement import check_params, check_state, stage_devices
 from fpipe._runtime.rng import StepSeed
+from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.workers import Aborted
 from fpipe.errors import BatchError, PeerError, PlacementError, StageError, Where, where

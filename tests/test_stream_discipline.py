@@ -8,7 +8,7 @@ cannot show and a GPU shows only sometimes. The discipline itself can be checked
 so this test checks it on the CPU, where every CUDA path of fpipe is the identity.
 
 What is checked, precisely: every aten op dispatched while a worker job runs, that is inside
-:meth:`fpipe._runtime.driver.Interpreter.run`, on whichever thread runs the job (worker 0 runs
+:meth:`fpipe._runtime.interpreter.Interpreter.run`, on whichever thread runs the job (worker 0 runs
 on the caller's thread). Each such op must run inside a compute scope or a copy. Ops the caller runs
 before and after the step (moving and splitting the batch, joining outputs, stacking losses,
 cloning gradients) are not worker ops: they run on the caller's current stream, which
@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fpipe
 import fpipe._runtime.driver
+import fpipe._runtime.instructions
 from fpipe._runtime.stream import Transport
 from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
 
@@ -99,8 +100,8 @@ class OpLog(TorchDispatchMode):
 
 def _where() -> str:
     """Where the op was called from: the innermost frame outside torch, as
-    ``fpipe/_runtime/driver.py:accumulate``, followed by the innermost fpipe frame when that differs
-    (an op from a stage or a test: ``test.py:stray < fpipe/_runtime/driver.py:_run``)."""
+    ``fpipe/_runtime/step.py:add``, followed by the innermost fpipe frame when that differs
+    (an op from a stage or a test: ``test.py:stray < fpipe/_runtime/instructions.py:_run``)."""
     frames = []
     frame = sys._getframe(2)  # past this function and __torch_dispatch__
     while frame is not None:
@@ -197,19 +198,19 @@ def test_gpipe_module_forward_runs_in_scopes(ops):
 def test_an_op_outside_every_scope_is_flagged(ops, monkeypatch):
     """The check itself: an op a worker runs between actions (here where the driver counts a
     recompute's input gradients, outside its compute scope) must be reported."""
-    real = fpipe._runtime.driver._grad_counts
+    real = fpipe._runtime.instructions._grad_counts
 
     def stray(*args):
         torch.zeros(()).add_(1)
         return real(*args)
 
-    monkeypatch.setattr(fpipe._runtime.driver, "_grad_counts", stray)
+    monkeypatch.setattr(fpipe._runtime.instructions, "_grad_counts", stray)
     with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2, remat="always"),
                         loss_fn=mse) as pipe:
         x = torch.randn(4, 8, dtype=torch.float64)
         pipe.value_and_grad(x, x)
     flagged = (r"aten\.add_\.Tensor at test_stream_discipline\.py:stray"
-               r" < fpipe/_runtime/driver\.py:_recompute")
+               r" < fpipe/_runtime/instructions\.py:_recompute")
     with pytest.raises(AssertionError, match=flagged):
         check_discipline(ops, 2 * 2)
 

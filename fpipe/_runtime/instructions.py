@@ -1,0 +1,282 @@
+"""The instruction set: a program compiled to ``(kind, stage, micro-batch)`` instructions, and a
+handler per kind of action. A handler is a short function of a :class:`Job` (one worker's run
+of one step); routing goes through the job's channel, sums through the step's
+:class:`~fpipe._runtime.step.GradSums`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from fpipe._runtime.autodiff import StageCall, Value, describe
+from fpipe._runtime.rng import UnseededDraws
+from fpipe._runtime.step import Channel, Step
+from fpipe.errors import StageError, Where, locate
+from fpipe.recompute import recomputing
+from fpipe.schedules.actions import Action, Op, Program
+from fpipe.schedules.validate import validate
+
+if TYPE_CHECKING:
+    from fpipe._runtime.interpreter import Interpreter
+
+__all__ = ["Kind", "KINDS", "compiled", "Job", "located"]
+
+_NOTHING = contextlib.nullcontext()
+
+
+@dataclass(frozen=True, eq=False)
+class Kind:
+    """What a compiled action does: ``handler(job, kind, stage, microbatch)`` runs it.
+
+    A forward is *kept* when its vjp is built at once and *dropped* when only its input is kept
+    for a later recompute (or, in inference, nothing); a *split* forward or recompute builds a
+    vjp whose backward runs as I then W. ``name`` is how errors call it."""
+
+    name: str
+    op: Op
+    handler: Callable[..., None] = field(repr=False)
+    keep: bool = False
+    split: bool = False
+
+    @property
+    def forward(self) -> bool:
+        return self.op is Op.FORWARD
+
+
+def _kinds() -> dict[str, Kind]:
+    """The instruction set (the handlers are defined below, one per kind of action)."""
+    return {
+        "kept": Kind("forward", Op.FORWARD, _forward, keep=True),
+        "kept_split": Kind("forward", Op.FORWARD, _forward, keep=True, split=True),
+        "dropped": Kind("forward", Op.FORWARD, _forward),
+        "recompute": Kind("recompute", Op.RECOMPUTE, _recompute),
+        "recompute_split": Kind("recompute", Op.RECOMPUTE, _recompute, split=True),
+        "backward": Kind("backward", Op.BACKWARD, _backward),
+        "backward_input": Kind("input-gradient backward", Op.BACKWARD_INPUT, _backward,
+                               split=True),
+        "backward_weight": Kind("weight-gradient backward", Op.BACKWARD_WEIGHT,
+                                _backward_weight),
+    }
+
+
+def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
+    """``program`` validated and compiled for training or inference, memoised in ``cache``:
+    every program is validated before it first runs."""
+    key = (program, training)
+    plan = cache.get(key)
+    if plan is None:
+        validate(program, training=training)
+        if stateful:
+            _check_forward_order(program)
+        plan = cache[key] = _compile(program, training)
+    return plan
+
+
+def _compile(program: Program, training: bool) -> tuple[tuple[tuple[Kind, int, int], ...], ...]:
+    """Per worker, ``(kind, stage, microbatch)`` for each action: a forward's kind depends on
+    whether its pair is recomputed later and whether its backward is split."""
+    def having(op: Op) -> set[tuple[int, int]]:
+        return {(a.stage, a.microbatch) for w in program.workers for a in w if a.op is op}
+
+    recomputed, split = having(Op.RECOMPUTE), having(Op.BACKWARD_INPUT)
+    by_op = {Op.BACKWARD: KINDS["backward"], Op.BACKWARD_INPUT: KINDS["backward_input"],
+             Op.BACKWARD_WEIGHT: KINDS["backward_weight"]}
+
+    def kind(action) -> Kind:
+        pair = (action.stage, action.microbatch)
+        if action.op is Op.FORWARD:
+            if not training or pair in recomputed:
+                return KINDS["dropped"]
+            return KINDS["kept_split" if pair in split else "kept"]
+        if action.op is Op.RECOMPUTE:
+            return KINDS["recompute_split" if pair in split else "recompute"]
+        return by_op[action.op]
+
+    return tuple(tuple((kind(a), a.stage, a.microbatch) for a in worker)
+                 for worker in program.workers)
+
+
+def _check_forward_order(program: Program) -> None:
+    """State flows from one micro-batch's forward to the next, so they must run in order."""
+    for worker, actions in enumerate(program.workers):
+        last: dict[int, int] = {}
+        for action in actions:
+            if action.op is Op.FORWARD:
+                if last.get(action.stage, -1) > action.microbatch:
+                    raise ValueError(
+                        f"stateful stages need their forwards in micro-batch order, but worker "
+                        f"{worker} runs {action} after {action.stage}F{last[action.stage]}"
+                    )
+                last[action.stage] = action.microbatch
+
+
+class Job:
+    """One worker's run of one step: what the handlers of its actions share."""
+
+    __slots__ = ("interpreter", "step", "channel", "calls", "last", "received")
+
+    def __init__(self, interpreter: Interpreter, step: Step, channel: Channel) -> None:
+        self.interpreter, self.step, self.channel = interpreter, step, channel
+        self.calls = (interpreter.open_ended_calls if step.open_ended else
+                      interpreter.training_calls if step.training else
+                      interpreter.inference_calls)
+        self.last = len(interpreter.devices) - 1
+        self.received: Value | None = None  # the input of the running forward, for errors
+
+    def timed(self, kind: Kind, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
+        """The span of one action for a Recorder, or nothing when the step is not recorded."""
+        clock = self.step.clock
+        if clock is None:
+            return _NOTHING
+        return clock.span(Action(stage, kind.op, microbatch), self.interpreter.devices[stage])
+
+
+def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """Run a stage on a micro-batch, keeping its vjp (or only its input, for a recompute), and
+    send its output and stashed skips on."""
+    step, channel, call = job.step, job.channel, job.calls[stage]
+    interpreter = job.interpreter
+    device = interpreter.devices[stage]
+    x = step.inputs[microbatch] if stage == 0 else \
+        channel.receive(("x", stage, microbatch), device)
+    job.received = x
+    popped = tuple(channel.receive(("s", name, microbatch), device) for name in call.pops)
+    target = step.targets[microbatch] if step.targets is not None else None
+    state = step.state[stage]
+    dropped = not kind.keep and step.training  # to be recomputed
+    args = (step.params[stage], x, state, popped, target, step.weights[microbatch],
+            step.sizes[microbatch])
+    with interpreter.transport.compute(device), \
+            interpreter.random.scope(step.seed, stage, microbatch, step.training, step.seeded,
+                                     check=dropped) as drawing, \
+            job.timed(kind, stage, microbatch):
+        if kind.keep:
+            outs, step.state[stage], vjp_fn = call.forward_vjp(*args, split=kind.split)
+            step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, x, popped))
+        else:
+            outs, step.state[stage] = call.forward(*args)
+    if dropped:
+        step.saved[stage, microbatch] = (x, state, popped, drawing.drew)
+    if stage == job.last:
+        step.outputs[microbatch] = (outs[0] if step.open_ended else
+                                    outs if step.training else outs[0].tree())
+        return
+    channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch), outs[0])
+    for name, value in zip(call.stashes, outs[1:]):
+        channel.send(value.leaves, device, interpreter.routes[name][1], ("s", name, microbatch),
+                     value)
+
+
+def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """The forward again, from the inputs and state it saw (its new state is dropped), drawing
+    the random numbers it drew; keeps the vjp for the backward."""
+    step, call, interpreter = job.step, job.calls[stage], job.interpreter
+    x, state, popped, drew = step.saved.pop((stage, microbatch))
+    job.received = x
+    target = step.targets[microbatch] if step.targets is not None else None
+    with interpreter.transport.compute(interpreter.devices[stage]), \
+            interpreter.random.scope(step.seed, stage, microbatch, True, step.seeded,
+                                     check=True) as drawing, \
+            recomputing(), job.timed(kind, stage, microbatch):
+        *_, vjp_fn = call.forward_vjp(step.params[stage], x, state, popped, target,
+                                      step.weights[microbatch], step.sizes[microbatch],
+                                      split=kind.split)
+    if drawing.drew != drew:
+        raise StageError(f"the stage drew random numbers in its "
+                         f"{'forward' if drew else 'recompute'} but not in its "
+                         f"{'recompute' if drew else 'forward'}, so the recompute cannot "
+                         f"reproduce the forward: a stage must draw alike in both")
+    step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, x, popped))
+
+
+def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """A backward (B), or its input half (I, which leaves the weight half pending): the output's
+    cotangent in, parameter gradients summed, input gradients sent back."""
+    step, channel, call, interpreter = job.step, job.channel, job.calls[stage], job.interpreter
+    device = interpreter.devices[stage]
+    cotangent: list = []
+    if stage == job.last and step.open_ended:
+        cotangent = list(step.output_cotangents[microbatch])
+    elif stage < job.last:
+        cotangent = list(channel.receive(("g", stage, microbatch), device))
+    for name in call.stashes:
+        cotangent += channel.receive(("t", name, microbatch), device)
+    vjp_fn, counts = step.vjps.pop((stage, microbatch))
+    # Everything below touches the device's tensors: on its compute stream.
+    with interpreter.transport.compute(device), job.timed(kind, stage, microbatch):
+        if stage == job.last and not step.open_ended:  # the loss's seed
+            cotangent = [torch.ones_like(step.outputs[microbatch])]
+        if kind.split:
+            input_grads = vjp_fn.input_grads(cotangent)
+        else:
+            param_grads, input_grads = vjp_fn(cotangent)
+            interpreter.accumulate(step, stage, param_grads)
+    if kind.split:
+        step.pending_weights[stage, microbatch] = vjp_fn
+    if stage == 0 and step.open_ended:
+        step.input_grads[microbatch] = list(input_grads)
+    elif stage > 0:
+        _send_input_grads(job, stage, microbatch, input_grads, counts)
+
+
+def _send_input_grads(job: Job, stage: int, microbatch: int, input_grads: list,
+                      counts: tuple[int, ...]) -> None:
+    """Input gradients in input order: the previous stage's output first, then each popped
+    skip's, back to the stage that stashed it."""
+    device, routes = job.interpreter.devices[stage], job.interpreter.routes
+    end = counts[0]
+    job.channel.send(list(input_grads[:end]), device, stage - 1, ("g", stage - 1, microbatch),
+                     None)
+    for name, count in zip(job.calls[stage].pops, counts[1:]):
+        job.channel.send(list(input_grads[end:end + count]), device, routes[name][0],
+                         ("t", name, microbatch), None)
+        end += count
+
+
+def _backward_weight(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """The weight half (W) of a split backward, from what its input half recorded."""
+    step, interpreter = job.step, job.interpreter
+    with interpreter.transport.compute(interpreter.devices[stage]), \
+            job.timed(kind, stage, microbatch):
+        grads = step.pending_weights.pop((stage, microbatch)).weight_grads()
+        interpreter.accumulate(step, stage, grads)
+
+
+KINDS = _kinds()
+
+
+def _grad_counts(call: StageCall, x: Value, popped: tuple[Value, ...]) -> tuple[int, ...]:
+    """How many input gradients the backward returns for ``x`` and for each popped skip."""
+    if not call.grad_input:
+        return ()
+    return (len(x.grad_index), *(len(value.grad_index) for value in popped))
+
+
+def located(exc: BaseException, kind: Kind | None, stage: int | None,
+             microbatch: int | None, x: Value | None) -> BaseException:
+    """``exc`` with where it was raised: fpipe's own detections (:class:`StageError`) get it in
+    their message and fields, a stage's own exception keeps its type and gets it attached
+    (:func:`fpipe.errors.where`) and noted, with the input a later stage received."""
+    if isinstance(exc, UnseededDraws) or stage is None:
+        return exc
+    op = kind.name if kind is not None else "setup"
+    received = f"its input, from stage {stage - 1}: {describe(x.tree())}" \
+        if x is not None and stage else None
+    if isinstance(exc, StageError):
+        if exc.stage is None:
+            message = f"stage {stage} failed in the {op} of micro-batch {microbatch}: {exc}"
+            if received:
+                message += f"\n  {received}"
+            located = StageError(message, stage, microbatch, op)
+            located.__cause__, located.__traceback__ = exc.__cause__, exc.__traceback__
+            return located
+        return exc
+    if getattr(exc, "fpipe_where", None) is None:
+        locate(exc, Where(stage, microbatch, op))
+        if received and hasattr(exc, "add_note"):
+            exc.add_note(f"fpipe: {received}")
+    return exc

@@ -1,0 +1,80 @@
+"""The :class:`Interpreter`: what every instruction of a compiled program means, for one
+worker. The local driver's threads and :mod:`fpipe.distributed`'s ranks run the same
+interpreter and differ only in their :class:`~fpipe._runtime.step.Channel`, so both compute
+exactly the same thing."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fpipe._runtime.autodiff import StageCall
+from fpipe._runtime.instructions import Job, located
+from fpipe._runtime.rng import RandomStages
+from fpipe._runtime.step import Channel, Step
+from fpipe._runtime.stream import Transport
+from fpipe._runtime.workers import Aborted
+from fpipe.stages.skip import pops, skip_routes, stashes
+
+__all__ = ["Interpreter"]
+
+_NOTHING = contextlib.nullcontext()
+
+
+class Interpreter:
+    """What every action of a compiled program means, for one worker; drivers share it and
+    differ only in their :class:`Channel` and in how they start workers."""
+
+    def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
+                 devices: Sequence[torch.device], loss_fn: Callable | None,
+                 transport: Transport, stateful: bool = False,
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "func",
+                 concurrent: bool = True) -> None:
+        if autodiff not in ("func", "autograd"):
+            raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
+        n = len(stages)
+        self.grad_dtype = grad_dtype
+        self.devices = list(devices)
+        self.routes = skip_routes(stages)
+
+        def calls(grad_input: Callable[[int], bool], loss: Callable | None) -> list:
+            # A ``None`` spec marks a stage this process does not hold (distributed): no call.
+            return [None if spec is None else
+                    StageCall(fn, spec, grad_input=grad_input(s),
+                              loss_fn=loss if s == n - 1 else None, stateful=stateful,
+                              pops=pops(fn), stashes=stashes(fn), autodiff=autodiff)
+                    for s, (fn, spec) in enumerate(zip(stages, param_specs))]
+
+        self.inference_calls = calls(lambda s: False, None)
+        self.training_calls = calls(lambda s: s > 0, loss_fn)
+        self.open_ended_calls = calls(lambda s: True, None)
+        self.transport = transport
+        self.random = RandomStages(self.devices, concurrent)
+
+    def run(self, step: Step, actions: tuple, channel: Channel) -> None:
+        """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail`, located
+        (stage, op, micro-batch); only interrupts propagate."""
+        # Grad mode is the step's; the rest of the caller's thread-local state is carried.
+        with torch.enable_grad() if step.training else torch.no_grad(), \
+                _NOTHING if step.context is None else step.context.applied(step.training):
+            self._run(step, actions, channel)
+
+    def _run(self, step: Step, actions: tuple, channel: Channel) -> None:
+        job = Job(self, step, channel)
+        kind = stage = microbatch = None
+        try:
+            for kind, stage, microbatch in actions:
+                job.received = None
+                kind.handler(job, kind, stage, microbatch)
+        except Aborted:
+            return
+        except BaseException as exc:
+            step.fail(located(exc, kind, stage, microbatch, job.received))
+            if not isinstance(exc, Exception):
+                raise
+
+    def accumulate(self, step: Step, stage: int, grads: list) -> None:
+        step.grads.add(stage, grads, self.grad_dtype)
