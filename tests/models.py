@@ -19,6 +19,25 @@ def block(p, x):
     return torch.tanh(x @ p["w"] + p["b"])
 
 
+class OnBackward(torch.autograd.Function):
+    """The identity, whose backward first calls ``hook(grad)`` (to raise, record or sleep) and
+    passes on what it returns, or the gradient itself when it returns ``None``:
+    ``OnBackward.apply(x, hook)``."""
+
+    @staticmethod
+    def forward(x, hook):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.hook = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.hook(grad)
+        return (grad if out is None else out), None
+
+
 def mlp_params(n_stages: int, width: int = 8, dtype=torch.float64, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return [{"w": torch.randn(width, width, generator=g, dtype=dtype) * 0.5,

@@ -36,17 +36,24 @@ def mse(y, t):
     return ((y - t) ** 2).mean()
 
 
-@pytest.mark.parametrize("schedule", [gpipe(chunks=4, remat="always"), gpipe(chunks=3),
-                                      one_f_one_b(chunks=4)])
-def test_running_stats_equal_a_whole_batch_pass(schedule):
-    chunks = schedule.chunks
-    parts, params, state = split_model(chunks)
+def two_steps(schedule):
+    """Two training steps of the split model on 10 samples (uneven: 3, 3, 2, 2 in 4 chunks),
+    the state threaded through: what the tests below hold to their references."""
+    parts, params, state = split_model(schedule.chunks)
     x = torch.randn(10, 3, 5, 5, dtype=torch.float64)
     target = torch.randn(10, 6, dtype=torch.float64)
     with fpipe.pipeline([stage_of(p) for p in parts], params, state=state, schedule=schedule,
                         loss_fn=mse) as pipe:
         loss, grads, new_state = pipe.value_and_grad(x, target)
         _, _, second = pipe.value_and_grad(x, target, state=new_state)
+    return parts, params, x, target, loss, grads, new_state, second
+
+
+@pytest.mark.parametrize("schedule", [gpipe(chunks=4, remat="always"), gpipe(chunks=3),
+                                      one_f_one_b(chunks=4)])
+def test_running_stats_equal_a_whole_batch_pass(schedule):
+    chunks = schedule.chunks
+    parts, params, x, target, loss, grads, new_state, second = two_steps(schedule)
 
     for got, steps in ((new_state, 1), (second, 2)):
         for s, stats in enumerate(reference_stats(x, chunks, steps)):
@@ -113,13 +120,7 @@ def test_gradients_and_statistics_match_a_hand_written_computation(schedule):
     """Loss and gradients of per-micro-batch normalisation, running statistics of the whole
     batch: against the computation written out in plain autograd, not against fpipe."""
     chunks = schedule.chunks
-    parts, params, state = split_model(chunks)
-    x = torch.randn(10, 3, 5, 5, dtype=torch.float64)  # uneven: 3, 3, 2, 2
-    target = torch.randn(10, 6, dtype=torch.float64)
-    with fpipe.pipeline([stage_of(p) for p in parts], params, state=state, schedule=schedule,
-                        loss_fn=mse) as pipe:
-        loss, grads, new_state = pipe.value_and_grad(x, target)
-        _, _, second = pipe.value_and_grad(x, target, state=new_state)
+    parts, params, x, target, loss, grads, new_state, second = two_steps(schedule)
     for got, steps in ((new_state, 1), (second, 2)):
         expected_loss, expected_grads, stats = by_hand(params, x, target, chunks, steps)
         if steps == 1:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from models import block, fpipe_workers, mlp_params, mse
+from models import OnBackward, block, fpipe_workers, mlp_params, mse
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b
@@ -136,22 +136,9 @@ def test_the_backward_half_runs_the_last_stage_in_the_calling_thread():
     wait for it (on CUDA the wait would be for itself: a hang)."""
     seen = {}
 
-    class Where(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.clone()
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen["backward"] = threading.get_ident()
-            return grad
-
     def last(p, x):
-        return Where.apply(block(p, x))
+        return OnBackward.apply(block(p, x),
+                                lambda grad: seen.update(backward=threading.get_ident()))
 
     with fpipe.pipeline([block, last], mlp_params(2), schedule=gpipe(chunks=2),
                         autodiff="autograd") as pipe:

@@ -21,7 +21,15 @@ from pathlib import Path
 import optree
 import pytest
 import torch
-from models import block, forward, mlp_params, mse, two_stages_per_worker, whole_batch
+from models import (
+    OnBackward,
+    block,
+    forward,
+    mlp_params,
+    mse,
+    two_stages_per_worker,
+    whole_batch,
+)
 
 import fpipe
 from fpipe.schedules import colocate, gpipe, one_f_one_b, zero_bubble
@@ -62,17 +70,14 @@ def test_matches_whole_batch_on_cuda(devices, schedule):
         torch.testing.assert_close(y, forward(reference_stages, params, x), **TIGHT)
 
 
-def test_dropout_on_cuda_recompute_matches():
-    import torch.nn.functional as F
-
-    def dropout_block(p, x):
-        return F.dropout(block(p, x), p=0.3, training=True)
-
-    params = to(mlp_params(3), ["cuda:0"] * 3)
+def assert_same_under_remat(stages):
+    """A seeded step on cuda:0 gives bitwise the same loss and gradients with and without
+    recomputes: every recompute drew what its forward drew."""
+    params = to(mlp_params(len(stages)), ["cuda:0"] * len(stages))
     x = torch.randn(8, 8, dtype=torch.float64, device="cuda:0")
     results = []
     for remat in ("never", "always"):
-        with fpipe.pipeline([dropout_block] * 3, params, schedule=gpipe(chunks=4, remat=remat),
+        with fpipe.pipeline(stages, params, schedule=gpipe(chunks=4, remat=remat),
                             loss_fn=mse) as pipe:
             torch.manual_seed(0)
             results.append(pipe.value_and_grad(x, x))
@@ -82,35 +87,33 @@ def test_dropout_on_cuda_recompute_matches():
         assert torch.equal(a, b)
 
 
+def test_dropout_on_cuda_recompute_matches():
+    import torch.nn.functional as F
+
+    def dropout_block(p, x):
+        return F.dropout(block(p, x), p=0.3, training=True)
+
+    assert_same_under_remat([dropout_block] * 3)
+
+
 # -- Races made likely: stages that sleep on the GPU --------------------------------------------
 
 SLEEP = 5_000_000  # GPU cycles, a few milliseconds: wider than any host hand-off
 
 
-class _SleepInBackward(torch.autograd.Function):
-    """The identity, whose backward first sleeps on the current (the compute) stream: input
-    gradients are written late, so a reader not ordered after them reads stale memory."""
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad.is_cuda:
-            torch.cuda._sleep(SLEEP)
-        return grad.clone()
+def _sleep_then_clone(grad):
+    """Input gradients written late (a sleep on the current, compute, stream): a reader not
+    ordered after them reads stale memory."""
+    if grad.is_cuda:
+        torch.cuda._sleep(SLEEP)
+    return grad.clone()
 
 
 def sleepy(p, x):
     """``block`` that sleeps before its forward and before its input gradient (on CUDA)."""
     if x.is_cuda:
         torch.cuda._sleep(SLEEP)
-    return _SleepInBackward.apply(block(p, x))
+    return OnBackward.apply(block(p, x), _sleep_then_clone)
 
 
 def moving(stage, device):
@@ -152,18 +155,7 @@ def test_a_cuda_stage_drawing_from_the_cpu_generator_is_reproduced():
         noise = torch.rand(x.shape, dtype=x.dtype).to(x.device)  # drawn on the CPU
         return block(p, x) * noise
 
-    params = to(mlp_params(3), ["cuda:0"] * 3)
-    x = torch.randn(8, 8, dtype=torch.float64, device="cuda:0")
-    results = []
-    for remat in ("never", "always"):
-        with fpipe.pipeline([block, cpu_noise_block, block], params,
-                            schedule=gpipe(chunks=4, remat=remat), loss_fn=mse) as pipe:
-            torch.manual_seed(0)
-            results.append(pipe.value_and_grad(x, x))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b)
-    for a, b in zip(optree.tree_leaves(grads_a), optree.tree_leaves(grads_b)):
-        assert torch.equal(a, b)
+    assert_same_under_remat([block, cpu_noise_block, block])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

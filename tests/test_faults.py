@@ -9,25 +9,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import block, fpipe_workers, mlp_params, mse
+from models import OnBackward, block, fpipe_workers, mlp_params, mse
 
 import fpipe
 from fpipe import NonFiniteLossError
 from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
 
 
-class FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("boom in backward")
+def fails(grad):
+    raise RuntimeError("boom in backward")
 
 
 def faulty(n_stages, fault, armed):
@@ -40,9 +30,9 @@ def faulty(n_stages, fault, armed):
                 raise RuntimeError("boom in forward")
             if here and fault[2] == "recompute" and fpipe.is_recomputing():
                 raise RuntimeError("boom in recompute")
-            w = FailsInBackward.apply(p["w"]) if here and fault[2] == "weight" else p["w"]
+            w = OnBackward.apply(p["w"], fails) if here and fault[2] == "weight" else p["w"]
             y = x + 0 * w.sum()
-            return FailsInBackward.apply(y) if here and fault[2] == "backward" else y
+            return OnBackward.apply(y, fails) if here and fault[2] == "backward" else y
         return stage
 
     return [make(s) for s in range(n_stages)]
