@@ -8,7 +8,7 @@ import threading
 import optree
 import pytest
 import torch
-from models import mlp_params, mse, whole_batch
+from models import block, mlp_params, mse, whole_batch
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
@@ -89,3 +89,41 @@ def test_the_readme_bf16_snippet_runs_as_written():
     exec(compile(example, "README.md", "exec"), namespace)
     for code in blocks:
         exec(compile(code, "README.md", "exec"), namespace)
+
+
+def test_a_training_step_under_no_grad_still_differentiates():
+    """As ``torch.func.grad`` does: the caller's grad mode does not switch the step's own
+    differentiation off (and a forward-only call keeps no graph either way)."""
+    params = mlp_params(2)
+    x, target = (t.double() for t in data())
+    expected_loss, expected_grads = whole_batch([block] * 2, params, x, target, mse)
+    with fpipe.pipeline([block] * 2, params, schedule=gpipe(chunks=4), loss_fn=mse) as pipe:
+        with torch.no_grad():
+            loss, grads = pipe.value_and_grad(x, target)
+        with torch.enable_grad():
+            assert not pipe(x).requires_grad
+    torch.testing.assert_close(loss, expected_loss)
+    for g, e in zip(optree.tree_leaves(grads), optree.tree_leaves(expected_grads)):
+        torch.testing.assert_close(g, e)
+
+
+def test_a_step_under_the_profiler():
+    """A profiled step runs and gives the same result; with the profiler's
+    ``profile_all_threads`` (README), the workers' ops are recorded too."""
+    def last(p, x):
+        return torch.sigmoid(x @ p["w"] + p["b"])  # an op only stage 1's worker runs
+
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        pytest.skip("this torch's profiler cannot record every thread")
+    params = mlp_params(2)
+    x, target = (t.double() for t in data())
+    with fpipe.pipeline([block, last], params, schedule=gpipe(chunks=4), loss_fn=mse) as pipe:
+        plain = pipe.value_and_grad(x, target)[0]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    experimental_config=config) as prof:
+            profiled = pipe.value_and_grad(x, target)[0]
+    assert torch.equal(plain, profiled)
+    names = {event.name for event in prof.events()}
+    assert {"aten::tanh", "aten::sigmoid"} <= names
