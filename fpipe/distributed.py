@@ -233,7 +233,7 @@ class DistributedPipeline:
         error = nonfinite_error(parts) if self.nonfinite == "raise" else None
         if error is not None:
             raise error
-        grads = step.grads_out()
+        grads = step.grads.out()
         grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
                  for s in self.stages_held}
         return (loss, grads, self._held_state(step)) if self.stateful else (loss, grads)

@@ -112,7 +112,7 @@ class LocalDriver:
         step = self._step(program, _everything, partial(
             self._start, program, True, params, state, inputs, targets, weights, sizes,
             record=record))
-        return TrainResult(step.outputs, step.grads_out(), step.state)
+        return TrainResult(step.outputs, step.grads.out(), step.state)
 
     def begin(self, program: Program, params: list, state: list, inputs: list[Value],
               sizes: list[int]) -> Step:
@@ -149,7 +149,7 @@ class LocalDriver:
                 f"the forward: a stage must draw alike in both (its forward ran when the "
                 f"pipeline was called, the recompute in the backward)",
                 exc.stage, exc.microbatch, "recompute") from None
-        return TrainResult(None, step.grads_out(), step.state)
+        return TrainResult(None, step.grads.out(), step.state)
 
     def _step(self, program: Program, part: Callable[[tuple], tuple],
               start: Callable[..., Step]) -> Step:
@@ -175,10 +175,9 @@ class LocalDriver:
 
         clock = (None if record is None else
                  record.clock(program.placement, program.n_workers, self.devices))
+        context = ThreadState.capture(self.devices)  # None: workers need apply nothing
         step = Step(params, state, inputs, targets, weights, sizes, seed, training, abort,
-                    open_ended, clock, seeded, ThreadState.capture(self.devices))
-        if step.context.plain:
-            step.context = None
+                    open_ended, clock, seeded, None if context.plain else context)
         step.inboxes = inboxes
         return step
 

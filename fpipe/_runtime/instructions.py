@@ -214,7 +214,7 @@ def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
             input_grads = vjp_fn.input_grads(cotangent)
         else:
             param_grads, input_grads = vjp_fn(cotangent)
-            interpreter.accumulate(step, stage, param_grads)
+            step.grads.add(stage, param_grads, interpreter.grad_dtype)
     if kind.split:
         step.pending_weights[stage, microbatch] = vjp_fn
     if stage == 0 and step.open_ended:
@@ -243,7 +243,7 @@ def _backward_weight(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     with interpreter.transport.compute(interpreter.devices[stage]), \
             job.timed(kind, stage, microbatch):
         grads = step.pending_weights.pop((stage, microbatch)).weight_grads()
-        interpreter.accumulate(step, stage, grads)
+        step.grads.add(stage, grads, interpreter.grad_dtype)
 
 
 KINDS = _kinds()

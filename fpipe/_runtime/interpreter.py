@@ -75,6 +75,3 @@ class Interpreter:
             step.fail(located(exc, kind, stage, microbatch, job.received))
             if not isinstance(exc, Exception):
                 raise
-
-    def accumulate(self, step: Step, stage: int, grads: list) -> None:
-        step.grads.add(stage, grads, self.grad_dtype)

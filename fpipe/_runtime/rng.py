@@ -94,12 +94,9 @@ class _Generator:
 
     __slots__ = ("key", "torch", "lock")
 
-    def __init__(self, device: torch.device) -> None:
-        index = device.index
-        if device.type == "cuda" and index is None:
-            index = torch.cuda.current_device()
-        self.key = (device.type, -1 if index is None else index)
-        self.torch = torch.cuda.default_generators[index] if device.type == "cuda" \
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self.torch = torch.cuda.default_generators[key[1]] if key[0] == "cuda" \
             else torch.default_generator
         self.lock = _SharedLock()
 
@@ -112,11 +109,15 @@ _generators_guard = threading.Lock()
 
 
 def _generator(device: torch.device) -> _Generator:
-    if device.type not in ("cpu", "cuda"):
-        device = _CPU  # meta and other devices draw from nothing fpipe can seed; lock the CPU's
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        key = ("cuda", index)
+    else:  # meta and other devices draw from nothing fpipe can seed; lock the CPU's
+        key = ("cpu", -1)
     with _generators_guard:
-        found = _Generator(device)
-        return _generators.setdefault(found.key, found)
+        if key not in _generators:
+            _generators[key] = _Generator(key)
+        return _generators[key]
 
 
 def _generators_of(device: torch.device) -> tuple[_Generator, ...]:
@@ -201,14 +202,13 @@ class _Call:
     def __enter__(self) -> _Call:
         draws = self.random.draws
         for i, g in enumerate(self.random.generators[self.stage]):
-            exclusive = self.seeded or draws.get((self.stage, self.training, g.key)) is not False
+            seen = draws.get((self.stage, self.training, g.key))
+            exclusive = self.seeded or seen is not False
             g.lock.acquire(exclusive)
             if exclusive:
                 g.torch.manual_seed(_mix(self.seed, self.stage, self.microbatch, i))
             # A seeded call compares only to learn or check; when neither is needed, it skips.
-            learn = self.check or not exclusive or (
-                self.random.concurrent and
-                draws.get((self.stage, self.training, g.key)) is not True)
+            learn = self.check or not exclusive or (self.random.concurrent and seen is not True)
             self.held.append((g, exclusive, g.state() if learn else None))
         return self
 

@@ -80,10 +80,6 @@ class Step:
     def abort(self) -> None:
         self._on_abort()
 
-    def grads_out(self) -> list:
-        """Per stage, its summed gradient leaves, never aliasing a vjp's own output."""
-        return self.grads.out()
-
 
 class GradSums:
     """Per stage, the sum over micro-batches of its parameters' gradients (flat leaves)."""
