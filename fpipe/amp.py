@@ -29,26 +29,40 @@ __all__ = ["autocast", "Autocast", "cast", "LossScaler"]
 
 
 class Autocast:
-    """A stage run under ``torch.autocast(device_type, dtype)``; see :func:`autocast`."""
+    """A stage run under ``torch.autocast``; see :func:`autocast`. It names the stage it wraps
+    in ``__wrapped__``, so fpipe sees a compiled stage inside (and differentiates it so that
+    it runs compiled)."""
 
-    def __init__(self, stage: Callable, device_type: str, dtype: torch.dtype) -> None:
-        self.stage = stage
+    def __init__(self, stage: Callable, device_type: str | None, dtype: torch.dtype) -> None:
+        self.stage = self.__wrapped__ = stage
         self.device_type = device_type
         self.dtype = dtype
 
     def __call__(self, *args: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
+        device_type = self.device_type or _device_type(args)
+        with torch.autocast(device_type, dtype=self.dtype):
             return self.stage(*args)
 
     def __repr__(self) -> str:
         return f"autocast({self.stage!r}, {self.device_type!r}, {self.dtype})"
 
 
-def autocast(stage: Callable, device_type: str = "cpu",
+def _device_type(args: tuple) -> str:
+    """The device type of a stage call: its first tensor's (parameters first, then input)."""
+    for leaf in optree.tree_leaves(args, none_is_leaf=False):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+def autocast(stage: Callable, device_type: str | None = None,
              dtype: torch.dtype = torch.bfloat16) -> Callable:
-    """``stage`` run under ``torch.autocast(device_type, dtype=dtype)`` (a ``skippable``
-    stage keeps its skips). To compile it too, compile the result:
-    ``torch.compile(autocast(stage))``."""
+    """``stage`` run under ``torch.autocast(device_type, dtype=dtype)``, where the stage runs
+    (in whichever worker thread). ``device_type`` is by default that of the stage's tensors
+    (its parameters, or for a stage without parameters its input), so the same wrapper casts
+    on a CUDA stage and on a CPU one. A ``skippable`` stage keeps its skips; a compiled stage
+    stays compiled, whichever wraps which: ``autocast(torch.compile(stage))`` and
+    ``torch.compile(autocast(stage))`` both run compiled graphs."""
     if isinstance(stage, Skippable):
         return Skippable(Autocast(stage.fn, device_type, dtype), stage.stash, stage.pop)
     return Autocast(stage, device_type, dtype)
