@@ -8,7 +8,7 @@ program::
     loss, grads = pipe.value_and_grad(x, target)
 """
 
-from fpipe import amp, checkpoint, optim
+from fpipe import amp, optim, saving
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError, StageError
 from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
@@ -34,5 +34,5 @@ __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",
     "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
-    "NonFiniteLossError", "amp", "checkpoint", "optim", "Recorder",
+    "NonFiniteLossError", "amp", "optim", "saving", "Recorder",
 ]
