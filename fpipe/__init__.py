@@ -8,6 +8,8 @@ program::
     loss, grads = pipe.value_and_grad(x, target)
 """
 
+import logging
+
 from fpipe import amp, optim, saving
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError, StageError
 from fpipe.module import GPipe
@@ -29,6 +31,9 @@ from fpipe.schedules import (
 from fpipe.timeline import Recorder
 
 __version__ = "0.1.0"
+
+# Silent unless the application configures logging (see fpipe._runtime.log for what is logged).
+logging.getLogger("fpipe").addHandler(logging.NullHandler())
 
 __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",

@@ -13,6 +13,7 @@ from typing import Any
 import optree
 import torch
 
+from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import StageError
 
 __all__ = ["Value", "flatten", "differentiable", "check_output", "describe"]
@@ -36,7 +37,7 @@ class Value:
 
 
 def flatten(tree: Any) -> Value:
-    leaves, spec = optree.tree_flatten(tree)
+    leaves, spec = tree_flatten(tree)
     return Value(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if differentiable(leaf)))
 
 
