@@ -9,10 +9,13 @@ For parameters kept in ``bfloat16``, train float32 master copies (:func:`cast`) 
 pipeline with ``grad_dtype=torch.float32``, so that gradients are summed over micro-batches in
 float32 and match the masters' dtype.
 
-``float16`` gradients overflow easily; :class:`LossScaler` multiplies the loss by a large
-scale, divides the gradients by it, checks every stage's gradients for inf and NaN on their
-own devices, and adapts the scale: the policy of ``torch.amp.GradScaler``, for gradient pytrees
-spread over devices.
+``float16`` gradients overflow easily. With a ``torch.optim`` optimiser, use PyTorch's own
+``torch.amp.GradScaler`` unchanged: ``loss_fn=lambda y, t: scaler.scale(loss(y, t))``, then
+``fpipe.optim.bind_grads(params, grads)``, ``scaler.step(optimizer)``, ``scaler.update()``
+(its ``state_dict`` saves and restores it as usual). :class:`LossScaler` is the same policy
+for what ``GradScaler`` cannot serve: functional updates (``fpipe.optim.sgd``, any update of
+parameter pytrees without a ``torch.optim`` optimiser), since ``GradScaler`` unscales and
+checks only through an optimiser's parameters' ``.grad``.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ def cast(tree: Any, dtype: torch.dtype) -> Any:
 
 
 class LossScaler:
-    """Dynamic loss scaling across a pipeline's stages::
+    """Dynamic loss scaling across a pipeline's stages, for functional updates (with a
+    ``torch.optim`` optimiser, ``torch.amp.GradScaler`` does the same; see the module)::
 
         scaler = LossScaler()
         pipe = fpipe.pipeline(stages, params, schedule=..., loss_fn=scaler.scaled(loss_fn),
