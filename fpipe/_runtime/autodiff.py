@@ -14,10 +14,10 @@ from typing import Any
 
 import optree
 import torch
-from torch.func import vjp
 
-from fpipe._runtime.compiled import autograd_vjp, batch_dynamic, is_compiled
+from fpipe._runtime.compiled import batch_dynamic, is_compiled
 from fpipe._runtime.split_backward import split_vjp
+from fpipe._runtime.vjp import autograd_vjp, func_vjp
 from fpipe.errors import StageError
 
 __all__ = ["Value", "StageCall", "flatten", "differentiable", "check_output", "describe"]
@@ -73,7 +73,9 @@ class StageCall:
         # A compiled stage is differentiated by torch.autograd (see fpipe._runtime.compiled), and
         # so is every stage with autodiff="autograd": the same vjp, without functorch's per-op cost.
         self.compiled = is_compiled(fn)
-        self._vjp = autograd_vjp if self.compiled or autodiff == "autograd" else vjp
+        self._vjp = autograd_vjp if self.compiled or autodiff == "autograd" else func_vjp
+        # Whether forward_vjp can add parameter gradients into the step's leaves (autograd).
+        self.accumulates = self._vjp is autograd_vjp
 
     def forward(self, params: list, x: Value, state: Any = None, popped: tuple = (),
                 target: Any = None, weight: float = 1.0, size: int | None = None
@@ -93,11 +95,13 @@ class StageCall:
 
     def forward_vjp(self, params: list, x: Value, state: Any = None, popped: tuple = (),
                     target: Any = None, weight: float = 1.0, size: int | None = None,
-                    split: bool = False) -> tuple[Any, Any, Any]:
+                    split: bool = False, accumulate: list | None = None) -> tuple[Any, Any, Any]:
         """The outputs (or scaled loss), the new state, and the function mapping the outputs'
         cotangents to ``(param_grads, input_grads)``, lists of leaves in output and input
         order; with ``split``, a :class:`~fpipe._runtime.split_backward.SplitVJP` giving the two
-        halves."""
+        halves. With ``accumulate`` (only where :attr:`accumulates`: the step's leaves for
+        ``params``), the backward adds the parameters' gradients into their ``.grad`` and gives
+        ``None`` for them (see :mod:`fpipe._runtime.vjp`)."""
         inputs = (x, *popped)
         index = [value.grad_index if self.grad_input else () for value in inputs]
         side: list = []  # what leaves the transform beside the differentiated outputs
@@ -113,10 +117,12 @@ class StageCall:
             y, stashed, new_state = self._apply(
                 optree.tree_unflatten(self.param_spec, param_leaves), state, trees[0],
                 tuple(trees[1:]), target, weight, size)
-            state_leaves, state_spec = optree.tree_flatten(new_state)
-            # Tensors that carry no gradient leave the transform as aux, which unwraps them.
-            state_kept = [i for i, leaf in enumerate(state_leaves)
-                          if isinstance(leaf, torch.Tensor)]
+            state_leaves, state_spec, state_kept = [], None, []  # a stateless stage's
+            if new_state is not None:
+                state_leaves, state_spec = optree.tree_flatten(new_state)
+                # Tensors that carry no gradient leave the transform as aux, which unwraps them.
+                state_kept = [i for i, leaf in enumerate(state_leaves)
+                              if isinstance(leaf, torch.Tensor)]
             if self.loss_fn is not None:
                 outs, kept, grads = None, [], [y]
             else:
@@ -134,10 +140,14 @@ class StageCall:
         # Autograd itself refuses writes into the differentiated leaves: watch the others.
         watch = _Watch(self, params, state, x, popped, index)
         try:
-            primals, vjp_fn, aux = (split_vjp if split else self._vjp)(
-                flat, params,
-                [value.leaves[i] for value, where in zip(inputs, index) for i in where],
-                has_aux=True)
+            differentiated = [value.leaves[i] for value, where in zip(inputs, index)
+                              for i in where]
+            if split:
+                primals, vjp_fn, aux = split_vjp(flat, params, differentiated, has_aux=True)
+            elif accumulate is not None:
+                primals, vjp_fn, aux = autograd_vjp(flat, params, differentiated, accumulate)
+            else:
+                primals, vjp_fn, aux = self._vjp(flat, params, differentiated)
         except RuntimeError as exc:
             if "used in an in-place operation" not in str(exc):
                 raise
@@ -151,7 +161,7 @@ class StageCall:
             outs[k].leaves[i] = leaf
         for i, leaf in zip(state_kept, aux[len(kept):]):
             state_leaves[i] = leaf
-        new_state = optree.tree_unflatten(state_spec, state_leaves)
+        new_state = None if state_spec is None else optree.tree_unflatten(state_spec, state_leaves)
         if outs is None:
             return primals[0], new_state, vjp_fn
         primal = iter(primals)
@@ -234,8 +244,10 @@ class _Watch:
             leaves += optree.tree_leaves(state)
         for i, value in enumerate((x, *popped)):
             skip = differentiated[i] if differentiated is not None else ()
-            leaves += value.leaves if not skip else \
-                [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
+            if not skip:
+                leaves += value.leaves
+            elif len(skip) < len(value.leaves):  # (else every leaf is differentiated)
+                leaves += [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
         # Inference tensors (made under torch.inference_mode) keep no version counter.
         self.tensors = [leaf for leaf in leaves
                         if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]

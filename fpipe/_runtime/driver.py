@@ -79,7 +79,7 @@ class LocalDriver:
                                        self.transport, stateful, grad_dtype, autodiff,
                                        concurrent=n_workers > 1)
         self.pool = WorkerPool(n_workers)
-        self._compiled: dict[tuple[Program, bool], tuple] = {}
+        self._compiled: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self._holder: int | None = None
 

@@ -66,6 +66,10 @@ def _kinds() -> dict[str, Kind]:
 def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
     """``program`` validated and compiled for training or inference, memoised in ``cache``:
     every program is validated before it first runs."""
+    # The program last used is found by identity: hashing one hashes every action.
+    last = cache.get(("last", training))
+    if last is not None and last[0] is program:
+        return last[1]
     key = (program, training)
     plan = cache.get(key)
     if plan is None:
@@ -73,6 +77,7 @@ def compiled(cache: dict, program: Program, training: bool, stateful: bool = Fal
         if stateful:
             _check_forward_order(program)
         plan = cache[key] = _compile(program, training)
+    cache["last", training] = (program, plan)
     return plan
 
 
@@ -117,7 +122,7 @@ def _check_forward_order(program: Program) -> None:
 class Job:
     """One worker's run of one step: what the handlers of its actions share."""
 
-    __slots__ = ("interpreter", "step", "channel", "calls", "last", "received")
+    __slots__ = ("interpreter", "step", "channel", "calls", "last", "received", "accumulating")
 
     def __init__(self, interpreter: Interpreter, step: Step, channel: Channel) -> None:
         self.interpreter, self.step, self.channel = interpreter, step, channel
@@ -126,6 +131,11 @@ class Job:
                       interpreter.inference_calls)
         self.last = len(interpreter.devices) - 1
         self.received: Value | None = None  # the input of the running forward, for errors
+        # Per stage: whether its unsplit backwards add parameter gradients into the step's
+        # leaves inside autograd (the same sums as GradSums.add's, in the same order); not
+        # with functorch's engine, nor where each gradient is cast to grad_dtype first.
+        self.accumulating = [call is not None and call.accumulates and
+                             interpreter.grad_dtype is None for call in self.calls]
 
     def timed(self, kind: Kind, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
         """The span of one action for a Recorder, or nothing when the step is not recorded."""
@@ -155,7 +165,8 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
                                      check=dropped) as drawing, \
             job.timed(kind, stage, microbatch):
         if kind.keep:
-            outs, step.state[stage], vjp_fn = call.forward_vjp(*args, split=kind.split)
+            outs, step.state[stage], vjp_fn = call.forward_vjp(
+                *args, split=kind.split, accumulate=_accumulate(job, kind, stage))
             step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, x, popped))
         else:
             outs, step.state[stage] = call.forward(*args)
@@ -184,7 +195,7 @@ def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
             recomputing(), job.timed(kind, stage, microbatch):
         *_, vjp_fn = call.forward_vjp(step.params[stage], x, state, popped, target,
                                       step.weights[microbatch], step.sizes[microbatch],
-                                      split=kind.split)
+                                      split=kind.split, accumulate=_accumulate(job, kind, stage))
     if drawing.drew != drew:
         raise StageError(f"the stage drew random numbers in its "
                          f"{'forward' if drew else 'recompute'} but not in its "
@@ -214,7 +225,8 @@ def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
             input_grads = vjp_fn.input_grads(cotangent)
         else:
             param_grads, input_grads = vjp_fn(cotangent)
-            step.grads.add(stage, param_grads, interpreter.grad_dtype)
+            if param_grads is not None:  # else added into the step's leaves by autograd
+                step.grads.add(stage, param_grads, interpreter.grad_dtype)
     if kind.split:
         step.pending_weights[stage, microbatch] = vjp_fn
     if stage == 0 and step.open_ended:
@@ -247,6 +259,14 @@ def _backward_weight(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
 
 
 KINDS = _kinds()
+
+
+def _accumulate(job: Job, kind: Kind, stage: int) -> list | None:
+    """The step's leaves for ``stage``'s parameters where its backward adds into them (see
+    :attr:`Job.accumulating`; a split backward's W half adds its own), else ``None``."""
+    if kind.split or not job.accumulating[stage]:
+        return None
+    return job.step.grads.leaves(stage, job.step.params[stage])
 
 
 def _grad_counts(call: StageCall, x: Value, popped: tuple[Value, ...]) -> tuple[int, ...]:

@@ -57,36 +57,46 @@ class UnseededDraws(Exception):
 
 class _SharedLock:
     """A readers-writer lock that prefers writers: watched calls share a generator, a seeded
-    call holds it alone."""
+    call holds it alone. Uncontended, it takes and frees one mutex per call."""
 
-    __slots__ = ("_cond", "_readers", "_writer", "_waiting")
+    __slots__ = ("_mutex", "_cond", "_readers", "_writer", "_waiting", "_sleeping")
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._readers = 0
         self._writer = False
-        self._waiting = 0
+        self._waiting = 0  # writers waiting: readers let them go first
+        self._sleeping = 0  # threads waiting on the condition, to be woken on release
 
     def acquire(self, exclusive: bool) -> None:
-        with self._cond:
+        with self._mutex:
             if exclusive:
                 self._waiting += 1
                 while self._writer or self._readers:
-                    self._cond.wait()
+                    self._sleep()
                 self._waiting -= 1
                 self._writer = True
             else:
                 while self._writer or self._waiting:
-                    self._cond.wait()
+                    self._sleep()
                 self._readers += 1
 
+    def _sleep(self) -> None:
+        self._sleeping += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._sleeping -= 1
+
     def release(self, exclusive: bool) -> None:
-        with self._cond:
+        with self._mutex:
             if exclusive:
                 self._writer = False
             else:
                 self._readers -= 1
-            self._cond.notify_all()
+            if self._sleeping:
+                self._cond.notify_all()
 
 
 class _Generator:

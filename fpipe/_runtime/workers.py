@@ -26,31 +26,38 @@ class Aborted(Exception):
 class Inbox:
     """Values addressed to one worker, each taken once by key."""
 
-    __slots__ = ("_items", "_ready", "aborted")
+    __slots__ = ("_items", "_mutex", "_ready", "_sleeping", "aborted")
 
     def __init__(self) -> None:
         self._items: dict[Hashable, Any] = {}
-        self._ready = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()
+        self._ready = threading.Condition(self._mutex)
+        self._sleeping = False  # the worker waits on _ready (only the owner takes)
         self.aborted = False
 
     def put(self, key: Hashable, item: Any) -> None:
-        with self._ready:
+        with self._mutex:
             self._items[key] = item
-            self._ready.notify()
+            if self._sleeping:
+                self._ready.notify()
 
     def take(self, key: Hashable) -> Any:
         items = self._items
         if key in items:  # already delivered: no lock needed to pop our own key
             return items.pop(key)
-        with self._ready:
+        with self._mutex:
             while key not in items:
                 if self.aborted:
                     raise Aborted
-                self._ready.wait()
+                self._sleeping = True
+                try:
+                    self._ready.wait()
+                finally:
+                    self._sleeping = False
             return items.pop(key)
 
     def abort(self) -> None:
-        with self._ready:
+        with self._mutex:
             self.aborted = True
             self._ready.notify_all()
 
