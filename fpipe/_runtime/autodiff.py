@@ -40,7 +40,12 @@ class Value:
         return optree.tree_unflatten(self.spec, self.leaves)
 
 
+_TENSOR = optree.tree_structure(torch.empty(0))  # the structure of a lone tensor
+
+
 def flatten(tree: Any) -> Value:
+    if type(tree) is torch.Tensor:  # the common case, without a walk
+        return Value([tree], _TENSOR, (0,) if differentiable(tree) else ())
     leaves, spec = optree.tree_flatten(tree)
     return Value(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if differentiable(leaf)))
 
@@ -103,16 +108,18 @@ class StageCall:
         ``params``), the backward adds the parameters' gradients into their ``.grad`` and gives
         ``None`` for them (see :mod:`fpipe._runtime.vjp`)."""
         inputs = (x, *popped)
-        index = [value.grad_index if self.grad_input else () for value in inputs]
+        index = [value.grad_index for value in inputs] if self.grad_input else [()] * len(inputs)
         side: list = []  # what leaves the transform beside the differentiated outputs
 
         def flat(param_leaves: list, grad_leaves: list):
-            grads_in = iter(grad_leaves)
-            trees = []
+            trees, k = [], 0
             for value, where in zip(inputs, index):
-                full = list(value.leaves)
-                for i in where:
-                    full[i] = next(grads_in)
+                full = value.leaves
+                if where:
+                    full = list(full)
+                    for i in where:
+                        full[i] = grad_leaves[k]
+                        k += 1
                 trees.append(optree.tree_unflatten(value.spec, full))
             y, stashed, new_state = self._apply(
                 optree.tree_unflatten(self.param_spec, param_leaves), state, trees[0],
@@ -127,21 +134,18 @@ class StageCall:
                 outs, kept, grads = None, [], [y]
             else:
                 outs = self._outputs(y, stashed, size)
-                grads = [out.leaves[i] for out in outs for i in out.grad_index]
-                if not grads:
-                    raise StageError("the stage returned no floating-point tensor, so no "
-                                     "gradient can flow back through it")
-                kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
-                        if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
+                grads, kept = _split_outputs(outs)
             side.extend((outs, kept, state_leaves, state_spec, state_kept))
-            return grads, ([outs[k].leaves[i] for k, i in kept]
-                           + [state_leaves[i] for i in state_kept])
+            aux = [outs[k].leaves[i] for k, i in kept] if kept else []
+            if state_kept:
+                aux += [state_leaves[i] for i in state_kept]
+            return grads, aux
 
         # Autograd itself refuses writes into the differentiated leaves: watch the others.
         watch = _Watch(self, params, state, x, popped, index)
         try:
-            differentiated = [value.leaves[i] for value, where in zip(inputs, index)
-                              for i in where]
+            differentiated = x.leaves if len(inputs) == 1 and len(index[0]) == len(x.leaves) \
+                else [value.leaves[i] for value, where in zip(inputs, index) for i in where]
             if split:
                 primals, vjp_fn, aux = split_vjp(flat, params, differentiated, has_aux=True)
             elif accumulate is not None:
@@ -157,17 +161,20 @@ class StageCall:
                              "compute a new tensor instead") from exc
         watch.check()
         outs, kept, state_leaves, state_spec, state_kept = side
-        for (k, i), leaf in zip(kept, aux[:len(kept)]):
+        for (k, i), leaf in zip(kept, aux):
             outs[k].leaves[i] = leaf
-        for i, leaf in zip(state_kept, aux[len(kept):]):
-            state_leaves[i] = leaf
-        new_state = None if state_spec is None else optree.tree_unflatten(state_spec, state_leaves)
+        new_state = None
+        if state_spec is not None:
+            for i, leaf in zip(state_kept, aux[len(kept):]):
+                state_leaves[i] = leaf
+            new_state = optree.tree_unflatten(state_spec, state_leaves)
         if outs is None:
             return primals[0], new_state, vjp_fn
-        primal = iter(primals)
+        k = 0
         for out in outs:
             for i in out.grad_index:
-                out.leaves[i] = next(primal)
+                out.leaves[i] = primals[k]
+                k += 1
         return outs, new_state, vjp_fn
 
     def _apply(self, params: Any, state: Any, x: Any, popped: tuple, target: Any,
@@ -221,6 +228,19 @@ class StageCall:
         return loss * weight
 
 
+def _split_outputs(outs: list[Value]) -> tuple[list, list]:
+    """The differentiated leaves of ``outs``, and ``(output, leaf)`` of their other tensors."""
+    if len(outs) == 1 and outs[0].leaves and len(outs[0].grad_index) == len(outs[0].leaves):
+        return list(outs[0].leaves), []
+    grads = [out.leaves[i] for out in outs for i in out.grad_index]
+    if not grads:
+        raise StageError("the stage returned no floating-point tensor, so no gradient can "
+                         "flow back through it")
+    kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
+            if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
+    return grads, kept
+
+
 def _pair(result: Any, message: str) -> tuple[Any, Any]:
     if not isinstance(result, tuple) or len(result) != 2:
         raise StageError(f"{message}, got {type(result).__name__}")
@@ -242,16 +262,16 @@ class _Watch:
         leaves = [] if differentiated is not None else list(params)
         if state is not None:
             leaves += optree.tree_leaves(state)
-        for i, value in enumerate((x, *popped)):
+        for i, value in enumerate((x, *popped) if popped else (x,)):
             skip = differentiated[i] if differentiated is not None else ()
             if not skip:
                 leaves += value.leaves
             elif len(skip) < len(value.leaves):  # (else every leaf is differentiated)
                 leaves += [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
         # Inference tensors (made under torch.inference_mode) keep no version counter.
-        self.tensors = [leaf for leaf in leaves
-                        if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
-        self.versions = [t._version for t in self.tensors]
+        self.tensors = tensors = [leaf for leaf in leaves
+                                  if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
+        self.versions = [t._version for t in tensors] if tensors else tensors
 
     def check(self) -> None:
         for tensor, version in zip(self.tensors, self.versions):

@@ -50,14 +50,19 @@ class _LocalChannel:
         self.devices = devices
 
     def receive(self, key: tuple, device: torch.device) -> Any:
-        item, event, like = self.inbox.take(key)
-        leaves = self.transport.receive(item, event, device)
-        return leaves if like is None else Value(leaves, like.spec, like.grad_index)
+        leaves, event, like = self.inbox.take(key)
+        if event is not None:
+            leaves = self.transport.receive(leaves, event, device)
+        if like is None or leaves is like.leaves:  # (a value that did not move is itself)
+            return leaves if like is None else like
+        return Value(leaves, like.spec, like.grad_index)
 
     def send(self, leaves: list, src: torch.device, stage: int, key: tuple,
              like: Value | None) -> None:
-        moved, event = self.transport.send(leaves, src, self.devices[stage])
-        self.inboxes[self.owners[stage]].put(key, (moved, event, like))
+        dst, event = self.devices[stage], None
+        if dst != src:  # (on one device, nothing moves)
+            leaves, event = self.transport.send(leaves, src, dst)
+        self.inboxes[self.owners[stage]].put(key, (leaves, event, like))
 
 
 class LocalDriver:

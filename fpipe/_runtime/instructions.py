@@ -154,7 +154,8 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     x = step.inputs[microbatch] if stage == 0 else \
         channel.receive(("x", stage, microbatch), device)
     job.received = x
-    popped = tuple(channel.receive(("s", name, microbatch), device) for name in call.pops)
+    popped = tuple(channel.receive(("s", name, microbatch), device)
+                   for name in call.pops) if call.pops else ()
     target = step.targets[microbatch] if step.targets is not None else None
     state = step.state[stage]
     dropped = not kind.keep and step.training  # to be recomputed
@@ -177,9 +178,10 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
                                     outs if step.training else outs[0].tree())
         return
     channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch), outs[0])
-    for name, value in zip(call.stashes, outs[1:]):
-        channel.send(value.leaves, device, interpreter.routes[name][1], ("s", name, microbatch),
-                     value)
+    if call.stashes:
+        for name, value in zip(call.stashes, outs[1:]):
+            channel.send(value.leaves, device, interpreter.routes[name][1],
+                         ("s", name, microbatch), value)
 
 
 def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:

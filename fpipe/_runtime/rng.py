@@ -210,31 +210,35 @@ class _Call:
         self.drew = False
 
     def __enter__(self) -> _Call:
-        draws = self.random.draws
-        for i, g in enumerate(self.random.generators[self.stage]):
-            seen = draws.get((self.stage, self.training, g.key))
+        random, stage, training = self.random, self.stage, self.training
+        draws, held = random.draws, self.held
+        # Seeded and alone: nothing is learnt, so what was seen does not matter.
+        blind = self.seeded and not random.concurrent
+        for i, g in enumerate(random.generators[stage]):
+            seen = None if blind else draws.get((stage, training, g.key))
             exclusive = self.seeded or seen is not False
             g.lock.acquire(exclusive)
             if exclusive:
-                g.torch.manual_seed(_mix(self.seed, self.stage, self.microbatch, i))
+                g.torch.manual_seed(_mix(self.seed, stage, self.microbatch, i))
             # A seeded call compares only to learn or check; when neither is needed, it skips.
-            learn = self.check or not exclusive or (self.random.concurrent and seen is not True)
-            self.held.append((g, exclusive, g.state() if learn else None))
+            learn = self.check or not exclusive or (random.concurrent and seen is not True)
+            held.append((g, exclusive, g.state() if learn else None))
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         unseeded = False
-        draws = self.random.draws
-        for g, exclusive, before in reversed(self.held):
+        held = self.held
+        while held:
+            g, exclusive, before = held.pop()
             if before is not None:
                 drew = not torch.equal(g.state(), before)
                 self.drew = self.drew or drew
                 key = (self.stage, self.training, g.key)
+                draws = self.random.draws
                 if exclusive:
                     draws[key] = drew or draws.get(key, False)
                 elif drew:
                     unseeded = True
             g.lock.release(exclusive)
-        self.held.clear()
         if unseeded and exc_type is None:
             raise UnseededDraws(self.stage, self.microbatch)

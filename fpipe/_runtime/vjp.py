@@ -162,18 +162,23 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
     n = len(params)
 
     def vjp_fn(cotangents: list) -> tuple[list | None, list]:
-        pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
-        if not pairs or not diff:  # nothing to differentiate (a stage without parameters
+        outs_, cotangents_ = outs, cotangents
+        if not all(o.requires_grad for o in outs):
+            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+            outs_, cotangents_ = [o for o, _ in pairs], [c for _, c in pairs]
+        if not outs_ or not diff:  # nothing to differentiate (a stage without parameters
             # and inputs without gradient, or outputs that depend on none of them)
             return (None if accumulate is not None else [torch.zeros_like(p) for p in params],
                     [torch.zeros_like(x) for x in inputs])
-        outs_, cotangents_ = [o for o, _ in pairs], [c for _, c in pairs]
         if accumulate is None:
             grads = _zeros_for_none(run_backward(outs_, cotangents_, diff), diff)
             return grads[:n], grads[n:]
         run_backward(outs_, cotangents_, diff, accumulate=True)
-        grads = [x.grad for x in inputs]
-        return None, _zeros_for_none(grads, inputs)
+        return None, _zeros_for_none([x.grad for x in inputs], inputs)
 
-    return ([o.detach() for o in outs], vjp_fn,
-            [a.detach() if isinstance(a, torch.Tensor) else a for a in aux])
+    detached = [o.detach() for o in outs]
+    return detached, vjp_fn, _detached(aux) if aux else aux
+
+
+def _detached(values: list) -> list:
+    return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
