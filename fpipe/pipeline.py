@@ -59,8 +59,17 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             for ``bfloat16`` parameters (see :mod:`fpipe.amp`); by default the parameters'.
         autodiff: how each stage's vjp is taken: ``"func"`` (the default), with
             ``torch.func.vjp``, or ``"autograd"``, the same vjp through ``torch.autograd``,
-            which skips functorch's per-op wrapping and so halves the driver's cost per action
-            on small stages (``benchmarks/dispatch_overhead.py``). Gradients are the same.
+            which skips functorch's per-op wrapping (cheaper on small stages, see
+            ``benchmarks/dispatch_overhead.py``) and, without ``grad_dtype``, sums each
+            stage's gradients over micro-batches inside autograd, as ``loss.backward()``
+            accumulates into ``.grad``. Gradients are the same.
+
+    Threads: each worker of the schedule's program is a thread (the caller's thread is one of
+    them), and workers wait for each other at every value they hand on. A program with more
+    workers than the process has CPU cores makes them take turns, which costs a thread wake-up
+    per hand-off; building such a pipeline warns (:class:`fpipe.OversubscriptionWarning`).
+    ``fpipe.schedules.colocate(program, workers)`` runs several stages on one worker, and each
+    worker's ops use torch's intra-op threads too (``torch.set_num_threads``).
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
                     state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff)

@@ -28,7 +28,7 @@ from fpipe._runtime.rng import StepSeed, UnseededDraws
 from fpipe._runtime.step import Step, TrainResult
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.thread_state import ThreadState
-from fpipe._runtime.workers import Inbox, WorkerPool
+from fpipe._runtime.workers import Inbox, WorkerPool, warn_if_oversubscribed
 from fpipe.errors import StageError
 from fpipe.schedules.actions import Program
 from fpipe.timeline import Recorder
@@ -83,6 +83,7 @@ class LocalDriver:
         self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
                                        self.transport, stateful, grad_dtype, autodiff,
                                        concurrent=n_workers > 1)
+        warn_if_oversubscribed(n_workers)
         self.pool = WorkerPool(n_workers)
         self._compiled: dict[tuple, tuple] = {}
         self._lock = threading.Lock()

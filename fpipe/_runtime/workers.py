@@ -10,13 +10,47 @@ inside a step.
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["Aborted", "Inbox", "WorkerPool"]
+from fpipe.errors import OversubscriptionWarning
+
+__all__ = ["Aborted", "Inbox", "WorkerPool", "cores", "warn_if_oversubscribed"]
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def warn_if_oversubscribed(n_workers: int) -> None:
+    """Say so when ``n_workers`` threads are more than the cores that can run them at once."""
+    available = cores()
+    if n_workers <= available:
+        return
+    warnings.warn(
+        f"this pipeline runs {n_workers} worker threads, but this process has {available} CPU "
+        f"cores: the workers will take turns, and each value handed from one worker to the "
+        f"next waits for a thread to be woken. Put several stages on one worker with "
+        f"fpipe.schedules.colocate(program, workers), or silence this with "
+        f"warnings.simplefilter('ignore', fpipe.OversubscriptionWarning)",
+        OversubscriptionWarning, stacklevel=_outside_fpipe())
+
+
+def _outside_fpipe() -> int:
+    """The stack level of the first caller outside fpipe (the line that built the pipeline)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "fpipe":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Aborted(Exception):
