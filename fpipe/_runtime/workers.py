@@ -58,42 +58,35 @@ class Aborted(Exception):
 
 
 class Inbox:
-    """Values addressed to one worker, each taken once by key."""
+    """Values addressed to one worker, each taken once by key, only by that worker.
 
-    __slots__ = ("_items", "_mutex", "_ready", "_sleeping", "aborted")
+    Every put rings a bell (a ``queue.SimpleQueue``, whose waits and wake-ups are C code): a
+    worker waiting for a key sleeps on the bell and looks again at each ring. A ring it did not
+    wait for (a value found at once) only costs a later wait one look more; none is lost, since
+    the queue counts them."""
+
+    __slots__ = ("_items", "_bell", "aborted")
 
     def __init__(self) -> None:
         self._items: dict[Hashable, Any] = {}
-        self._mutex = threading.Lock()
-        self._ready = threading.Condition(self._mutex)
-        self._sleeping = False  # the worker waits on _ready (only the owner takes)
+        self._bell: queue.SimpleQueue = queue.SimpleQueue()
         self.aborted = False
 
     def put(self, key: Hashable, item: Any) -> None:
-        with self._mutex:
-            self._items[key] = item
-            if self._sleeping:
-                self._ready.notify()
+        self._items[key] = item
+        self._bell.put(None)
 
     def take(self, key: Hashable) -> Any:
         items = self._items
-        if key in items:  # already delivered: no lock needed to pop our own key
-            return items.pop(key)
-        with self._mutex:
-            while key not in items:
-                if self.aborted:
-                    raise Aborted
-                self._sleeping = True
-                try:
-                    self._ready.wait()
-                finally:
-                    self._sleeping = False
-            return items.pop(key)
+        while key not in items:
+            if self.aborted:
+                raise Aborted
+            self._bell.get()
+        return items.pop(key)
 
     def abort(self) -> None:
-        with self._mutex:
-            self.aborted = True
-            self._ready.notify_all()
+        self.aborted = True
+        self._bell.put(None)
 
 
 class WorkerPool:
