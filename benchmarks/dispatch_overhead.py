@@ -25,7 +25,8 @@ with the quartiles as its spread. *us/action* is (row - its reference) / actions
 reference being the plain loop with the same engine (autograd for the module faces);
 *x minimal* divides it by the minimal interpreter's with the same engine and threads.
 *cpu ms* is the process's CPU time per step (all threads), which a busy machine disturbs
-less than the wall time: on one worker, wall and CPU time should agree.
+less than the wall time (on one worker the two agree on a quiet machine), and *cpu us/action*
+the same difference as *us/action* in CPU time.
 """
 
 from __future__ import annotations
@@ -207,16 +208,18 @@ class MinimalThreaded:
 # -- the run ------------------------------------------------------------------------------------
 
 
-def module_faces() -> list:
+def module_faces(n_stages: int) -> list:
+    """(name, wrap, worker threads): fpipe.GPipe runs a thread per partition, torchgpipe one
+    per device, so one thread for its 16 CPU partitions."""
     faces = [("fpipe.GPipe (never)", lambda module, chunks: fpipe.GPipe(
-        module, [1] * len(module), chunks=chunks, checkpoint="never"))]
+        module, [1] * len(module), chunks=chunks, checkpoint="never"), n_stages)]
     try:
         import torchgpipe
     except ImportError:
         return faces
     faces.append(("torchgpipe (never)", lambda module, chunks: torchgpipe.GPipe(
         module, [1] * len(module), devices=["cpu"] * len(module), chunks=chunks,
-        checkpoint="never")))
+        checkpoint="never"), 1))
     return faces
 
 
@@ -283,29 +286,35 @@ def measure(chunks: int, params: list, x, target, threaded: MinimalThreaded,
                 pipes.append(pipe)
                 calls[f"fpipe {name}, {autodiff}"] = (
                     partial(pipe.value_and_grad, x, target), autodiff, workers)
-        for name, wrap in module_faces():
+        for name, wrap, threads in module_faces(n_stages):
             model = wrap(layers(params), chunks)
-            calls[name] = (partial(_module_step, model, x, target), "autograd", n_stages)
+            calls[name] = (partial(_module_step, model, x, target), "autograd", threads)
     times = interleaved({name: fn for name, (fn, _, _) in calls.items()}, rounds)
     for pipe in pipes:
         pipe.close()
     wall = {name: quartiles(w) for name, (w, _) in times.items()}
+    cpu = {name: statistics.median(c) for name, (_, c) in times.items()}
+
+    def per_action(figures: dict, name: str, engine: str) -> float:
+        return (figures[name] - figures[f"plain loop, {engine}"]) / actions * 1e6
+
     rows = []
     for name, (_, engine, workers) in calls.items():
         q1, med, q3 = wall[name]
-        reference = wall[f"plain loop, {engine}"][1]
         minimal = None
         if workers == 1 or engine == "autograd":
-            minimal = wall[f"minimal {'interpreter' if workers == 1 else 'threaded'}, "
-                           f"{engine}"][1]
-        over = (med - reference) / actions * 1e6
+            minimal = f"minimal {'interpreter' if workers == 1 else 'threaded'}, {engine}"
+        over = per_action({n: w[1] for n, w in wall.items()}, name, engine)
+        reference = name.startswith(("plain", "minimal"))
         rows.append({
             "row": name, "M": chunks, "workers": workers, "actions": actions,
             "step ms": med * 1e3, "spread ms": f"{q1 * 1e3:.3g}-{q3 * 1e3:.3g}",
-            "cpu ms": statistics.median(times[name][1]) * 1e3,
             "us/action": None if name.startswith("plain") else over,
-            "x minimal": None if minimal is None or name.startswith(("plain", "minimal"))
-            else over / ((minimal - reference) / actions * 1e6)})
+            "x minimal": None if minimal is None or reference else
+            over / per_action({n: w[1] for n, w in wall.items()}, minimal, engine),
+            "cpu ms": cpu[name] * 1e3,
+            "cpu us/action": None if name.startswith("plain") else
+            per_action(cpu, name, engine)})
     return rows
 
 
@@ -328,8 +337,8 @@ def main() -> None:
             for row in measure(chunks, params, x, target, threaded, rounds)]
     threaded.close()
     report("fpipe driver overhead per action (16 x Linear(64,64), batch 64, 1 intra-op thread)",
-           ["row", "M", "workers", "actions", "step ms", "spread ms", "cpu ms", "us/action",
-            "x minimal"], rows, args.json,
+           ["row", "M", "workers", "actions", "step ms", "spread ms", "us/action", "x minimal",
+            "cpu ms", "cpu us/action"], rows, args.json,
            [f"{rounds} interleaved rounds; step ms is the median, spread its quartiles; "
             f"torch threads: {torch.get_num_threads()}"])
 

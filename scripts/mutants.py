@@ -67,7 +67,7 @@ MUTANTS = (
            "        if False:\n            grads = [grad.to(dtype) for grad in grads]",
            ("tests/test_amp.py",)),
     Mutant("every micro-batch draws the same dropout mask", "_runtime/rng.py",
-           "_mix(self.seed, self.stage, self.microbatch, i)", "_mix(self.seed, self.stage, 0, i)",
+           "_mix(seed, stage, microbatch, i)", "_mix(seed, stage, 0, i)",
            ("tests/test_rng.py", "tests/test_pipeline.py"), quick=True),
     Mutant("a recompute given the state after its forward", "_runtime/instructions.py",
            "step.saved[stage, microbatch] = (x, state, popped, drawing.drew)",

@@ -113,6 +113,11 @@ class _Generator:
     def state(self) -> torch.Tensor:
         return self.torch.get_state()
 
+    def seed(self, seed: int, stage: int, microbatch: int, i: int) -> None:
+        """Seed for the call of (stage, micro-batch) from the step's seed; ``i``: which of the
+        stage's generators this is."""
+        self.torch.manual_seed(_mix(seed, stage, microbatch, i))
+
 
 _generators: dict[tuple, _Generator] = {}
 _generators_guard = threading.Lock()
@@ -191,8 +196,33 @@ class RandomStages:
         """Where (stage, micro-batch) runs; ``seeded`` forces every generator to be seeded
         (a step run again after :class:`UnseededDraws`). With ``check`` the call always finds
         out whether it drew (``call.drew``): a forward and its recompute must agree."""
+        if not self.concurrent and not check:  # seeded, with nothing to learn or check
+            return _Seeded(self.generators[stage], seed, stage, microbatch)
         return _Call(self, seed, stage, microbatch, training,
                      seeded or not self.concurrent, check)
+
+
+class _Seeded:
+    """A call where stages cannot run concurrently and nothing is checked: its generators held
+    alone and seeded, as :class:`_Call` holds them then, without the bookkeeping."""
+
+    __slots__ = ("generators", "seed", "stage", "microbatch")
+    drew = False  # not found out (no check asked for it)
+
+    def __init__(self, generators: tuple[_Generator, ...], seed: int, stage: int,
+                 microbatch: int) -> None:
+        self.generators, self.seed, self.stage, self.microbatch = \
+            generators, seed, stage, microbatch
+
+    def __enter__(self) -> _Seeded:
+        for i, g in enumerate(self.generators):
+            g.lock.acquire(True)
+            g.seed(self.seed, self.stage, self.microbatch, i)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for g in reversed(self.generators):
+            g.lock.release(True)
 
 
 class _Call:
@@ -212,14 +242,12 @@ class _Call:
     def __enter__(self) -> _Call:
         random, stage, training = self.random, self.stage, self.training
         draws, held = random.draws, self.held
-        # Seeded and alone: nothing is learnt, so what was seen does not matter.
-        blind = self.seeded and not random.concurrent
         for i, g in enumerate(random.generators[stage]):
-            seen = None if blind else draws.get((stage, training, g.key))
+            seen = draws.get((stage, training, g.key))
             exclusive = self.seeded or seen is not False
             g.lock.acquire(exclusive)
             if exclusive:
-                g.torch.manual_seed(_mix(self.seed, stage, self.microbatch, i))
+                g.seed(self.seed, stage, self.microbatch, i)
             # A seeded call compares only to learn or check; when neither is needed, it skips.
             learn = self.check or not exclusive or (random.concurrent and seen is not True)
             held.append((g, exclusive, g.state() if learn else None))

@@ -61,7 +61,13 @@ def run_backward(outs: list, cotangents: list, inputs: list, accumulate: bool = 
     """The gradients of ``inputs`` given the ``cotangents`` of ``outs`` (``None`` where an
     input is not reached), or with ``accumulate``, nothing: the gradients are added into the
     inputs' ``.grad``. The graph is freed."""
-    if _engine_run_backward is not None and _fit(outs, cotangents):
+    fit = _engine_run_backward is not None
+    for o, c in zip(outs, cotangents):  # what torch.autograd.grad's checks would pass (the
+        # engine checks dtypes and devices itself): plain tensors of the outputs' shapes
+        if type(o) is not torch.Tensor or type(c) is not torch.Tensor or o.shape != c.shape:
+            fit = False
+            break
+    if fit:
         grads = _engine_run_backward(tuple(outs), tuple(cotangents), False, False,
                                      tuple(inputs), True, accumulate_grad=accumulate)
         return None if accumulate else grads
@@ -69,15 +75,6 @@ def run_backward(outs: list, cotangents: list, inputs: list, accumulate: bool = 
         torch.autograd.backward(outs, cotangents, inputs=inputs)
         return None
     return torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
-
-
-def _fit(outs: list, cotangents: list) -> bool:
-    """Whether every cotangent is a plain tensor of its output's shape (what the checks of
-    ``torch.autograd.grad`` would pass; the engine checks dtypes and devices itself)."""
-    for o, c in zip(outs, cotangents):
-        if type(o) is not torch.Tensor or type(c) is not torch.Tensor or o.shape != c.shape:
-            return False
-    return True
 
 
 def _zeros_for_none(grads: tuple | list, like: list) -> list:
@@ -163,9 +160,11 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
 
     def vjp_fn(cotangents: list) -> tuple[list | None, list]:
         outs_, cotangents_ = outs, cotangents
-        if not all(o.requires_grad for o in outs):
-            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
-            outs_, cotangents_ = [o for o, _ in pairs], [c for _, c in pairs]
+        for o in outs:
+            if not o.requires_grad:  # only outputs that depend on a leaf take part
+                pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+                outs_, cotangents_ = [o for o, _ in pairs], [c for _, c in pairs]
+                break
         if not outs_ or not diff:  # nothing to differentiate (a stage without parameters
             # and inputs without gradient, or outputs that depend on none of them)
             return (None if accumulate is not None else [torch.zeros_like(p) for p in params],
@@ -174,7 +173,11 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
             grads = _zeros_for_none(run_backward(outs_, cotangents_, diff), diff)
             return grads[:n], grads[n:]
         run_backward(outs_, cotangents_, diff, accumulate=True)
-        return None, _zeros_for_none([x.grad for x in inputs], inputs)
+        grads = []
+        for x in inputs:
+            grad = x.grad
+            grads.append(torch.zeros_like(x) if grad is None else grad)
+        return None, grads
 
     detached = [o.detach() for o in outs]
     return detached, vjp_fn, _detached(aux) if aux else aux
