@@ -134,9 +134,10 @@ class _inference_mode_off:
         self.state = None
         if torch.is_inference_mode_enabled():
             self.state = torch.inference_mode(False)
-            grad = torch.is_grad_enabled()
+            grad, forward_grad = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
             self.state.__enter__()
-            torch.set_grad_enabled(grad)
+            torch._C._set_grad_enabled(grad)
+            torch._C._set_fwd_grad_enabled(forward_grad)
 
     def __exit__(self, *exc: object) -> None:
         if self.state is not None:
