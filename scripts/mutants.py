@@ -119,6 +119,10 @@ MUTANTS = (
            "return [base + 1 if i < extra else base for i in range(chunks)]",
            "return [base for i in range(chunks)]",
            ("tests/test_microbatch.py", "tests/test_pipeline.py")),
+    Mutant("gradients accumulated inside autograd not read back", "_runtime/step.py",
+           "accumulated = [torch.zeros_like(p) if p.grad is None else p.grad for p in made]",
+           "accumulated = [torch.zeros_like(p) for p in made]",
+           ("tests/test_engines.py",)),
     Mutant("a recompute's new state kept", "_runtime/instructions.py",
            "    x, state, popped, drew = step.saved.pop((stage, microbatch))\n",
            "    x, state, popped, drew = step.saved.pop((stage, microbatch))\n"
