@@ -11,7 +11,13 @@ program::
 import logging
 
 from fpipe import amp, optim, saving
-from fpipe.errors import BatchError, NonFiniteLossError, PlacementError, StageError
+from fpipe.errors import (
+    BatchError,
+    NonFiniteLossError,
+    OversubscriptionWarning,
+    PlacementError,
+    StageError,
+)
 from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
 from fpipe.recompute import is_recomputing
@@ -39,5 +45,5 @@ __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",
     "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
-    "NonFiniteLossError", "amp", "optim", "saving", "Recorder",
+    "NonFiniteLossError", "OversubscriptionWarning", "amp", "optim", "saving", "Recorder",
 ]

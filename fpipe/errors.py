@@ -23,6 +23,12 @@ class NonFiniteLossError(FloatingPointError):
         return type(self), (self.args[0], self.microbatches)
 
 
+class OversubscriptionWarning(RuntimeWarning):
+    """A pipeline runs more worker threads than the process has CPU cores: the workers then
+    take turns on the cores, and every value handed from one to the next waits for a thread
+    to be woken. ``fpipe.schedules.colocate`` puts several stages on one worker."""
+
+
 class PlacementError(ValueError):
     """Stages, parameters and devices do not fit together."""
 

@@ -67,12 +67,21 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
         autodiff: how each stage's vjp is taken: ``"autograd"`` (the default), through
             ``torch.autograd`` on detached inputs, which works with everything a stage may use
             (``torch.utils.checkpoint``, Hugging Face gradient checkpointing, functions made
-            by ``torch.compile``, which it runs compiled) and costs the least per action; or
-            ``"func"``, with ``torch.func.vjp``, the engine of fpipe 0.1's default: the same
-            gradients (``tests/test_pipeline.py`` compares them), but saved-tensor hooks
+            by ``torch.compile``, which it runs compiled) and, without ``grad_dtype``, sums
+            each stage's gradients over micro-batches inside autograd, as ``loss.backward()``
+            accumulates into ``.grad``; or ``"func"``, with ``torch.func``'s vjp, the default
+            of fpipe 0.1: the same gradients (``tests/test_pipeline.py`` compares them), a
+            few microseconds less of driver time per action on tiny stages
+            (``benchmarks/dispatch_overhead.py``), but saved-tensor hooks
             (``torch.utils.checkpoint``) fail under it and a compiled function it meets runs
-            uncompiled. Choose it only to compare, or for code that needs functorch's
-            transform levels around the stage's own operations.
+            uncompiled.
+
+    Threads: each worker of the schedule's program is a thread (the caller's thread is one of
+    them), and workers wait for each other at every value they hand on. A program with more
+    workers than the process has CPU cores makes them take turns, which costs a thread wake-up
+    per hand-off; building such a pipeline warns (:class:`fpipe.OversubscriptionWarning`).
+    ``fpipe.schedules.colocate(program, workers)`` runs several stages on one worker, and each
+    worker's ops use torch's intra-op threads too (``torch.set_num_threads``).
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
                     state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff)

@@ -153,3 +153,23 @@ def test_the_backward_half_runs_the_last_stage_in_the_calling_thread():
         thread.start()
         thread.join(timeout=60)
     assert seen["backward"] == caller["id"]
+
+
+def test_more_workers_than_cores_is_said_once_where_the_pipeline_is_built(monkeypatch):
+    import warnings
+
+    from fpipe.schedules import colocate
+
+    monkeypatch.setattr("fpipe._runtime.workers.cores", lambda: 2)
+    with pytest.warns(fpipe.OversubscriptionWarning, match="3 worker threads.*2 CPU cores") \
+            as caught:
+        pipe = fpipe.pipeline([block] * 3, mlp_params(3), schedule=gpipe(2), loss_fn=mse)
+    assert caught[0].filename == __file__  # this line, not fpipe's
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at each step
+        pipe.value_and_grad(x, x)
+        pipe.close()
+        # Two workers for three stages fit the cores: nothing to say.
+        fpipe.pipeline([block] * 3, mlp_params(3), loss_fn=mse,
+                       schedule=colocate(gpipe(2).program(3), [0, 0, 1])).close()

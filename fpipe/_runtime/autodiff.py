@@ -12,19 +12,18 @@ from typing import Any
 
 import optree
 import torch
-from torch.func import vjp
 
 from fpipe._runtime.adapters import Core, MicroBatch
-from fpipe._runtime.compiled import autograd_vjp
 from fpipe._runtime.split_backward import split_vjp
 from fpipe._runtime.values import Value, check_output, describe, flatten
+from fpipe._runtime.vjp import autograd_vjp, func_vjp
 from fpipe.errors import StageError
 
 __all__ = ["StageCall", "Value", "flatten", "check_output", "describe", "ENGINES"]
 
-# How a vjp is taken: torch.func's transform, or the same vjp through torch.autograd (see
-# fpipe._runtime.compiled), which compiled stages need and which skips functorch's per-op cost.
-ENGINES = {"func": vjp, "autograd": autograd_vjp}
+# How a vjp is taken (see fpipe._runtime.vjp): torch.func's transform, or the same vjp through
+# torch.autograd, which works with saved-tensor hooks and compiled functions.
+ENGINES = {"func": func_vjp, "autograd": autograd_vjp}
 
 
 class StageCall:
@@ -37,7 +36,8 @@ class StageCall:
     """
 
     def __init__(self, core: Core, param_spec: optree.PyTreeSpec, grad_input: bool,
-                 engine: Callable = vjp, inputs_named: tuple[str, ...] = ("its input x",),
+                 engine: Callable = autograd_vjp,
+                 inputs_named: tuple[str, ...] = ("its input x",),
                  outputs_named: tuple[str, ...] = ("output",)) -> None:
         self.core = core
         self.param_spec = param_spec
@@ -45,6 +45,8 @@ class StageCall:
         self.engine = engine
         self.inputs_named = inputs_named
         self.outputs_named = outputs_named
+        # Whether forward_vjp can add parameter gradients into the step's leaves (autograd).
+        self.accumulates = engine is autograd_vjp
 
     def forward(self, params: list, inputs: tuple[Value, ...], state: Any,
                 mb: MicroBatch) -> tuple[list[Value], Any]:
@@ -58,46 +60,55 @@ class StageCall:
         return self._outputs(outs, mb.size), new_state
 
     def forward_vjp(self, params: list, inputs: tuple[Value, ...], state: Any,
-                    mb: MicroBatch, split: bool = False) -> tuple[list[Value], Any, Any]:
+                    mb: MicroBatch, split: bool = False,
+                    accumulate: list | None = None) -> tuple[list[Value], Any, Any]:
         """The outputs, the new state, and the function mapping the outputs' cotangents to
         ``(param_grads, input_grads)``, lists of leaves in output and input order; with
-        ``split``, a :class:`~fpipe._runtime.split_backward.SplitVJP` giving the two
-        halves."""
-        index = [value.grad_index if self.grad_input else () for value in inputs]
+        ``split``, a :class:`~fpipe._runtime.split_backward.SplitVJP` giving the two halves.
+        With ``accumulate`` (only where :attr:`accumulates`: the step's leaves for ``params``),
+        the backward adds the parameters' gradients into their ``.grad`` and gives ``None`` for
+        them (see :mod:`fpipe._runtime.vjp`)."""
+        index = [value.grad_index for value in inputs] if self.grad_input else [()] * len(inputs)
         side: list = []  # what leaves the transform beside the differentiated outputs
 
         def flat(param_leaves: list, grad_leaves: list):
-            grads_in = iter(grad_leaves)
-            trees = []
+            trees, k = [], 0
             for value, where in zip(inputs, index):
-                full = list(value.leaves)
-                for i in where:
-                    full[i] = next(grads_in)
+                full = value.leaves
+                if where:
+                    full = list(full)
+                    for i in where:
+                        full[i] = grad_leaves[k]
+                        k += 1
                 trees.append(optree.tree_unflatten(value.spec, full))
             results, new_state = self.core(optree.tree_unflatten(self.param_spec, param_leaves),
                                            state, tuple(trees), mb)
-            state_leaves, state_spec = optree.tree_flatten(new_state)
-            # Tensors that carry no gradient leave the transform as aux, which unwraps them.
-            state_kept = [i for i, leaf in enumerate(state_leaves)
-                          if isinstance(leaf, torch.Tensor)]
+            state_leaves, state_spec, state_kept = [], None, []  # a stateless stage's
+            if new_state is not None:
+                state_leaves, state_spec = optree.tree_flatten(new_state)
+                # Tensors that carry no gradient leave the transform as aux, which unwraps them.
+                state_kept = [i for i, leaf in enumerate(state_leaves)
+                              if isinstance(leaf, torch.Tensor)]
             outs = self._outputs(results, mb.size)
-            grads = [out.leaves[i] for out in outs for i in out.grad_index]
-            if not grads:
-                raise StageError("the stage returned no floating-point tensor, so no "
-                                 "gradient can flow back through it")
-            kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
-                    if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
+            grads, kept = _split_outputs(outs)
             side.extend((outs, kept, state_leaves, state_spec, state_kept))
-            return grads, ([outs[k].leaves[i] for k, i in kept]
-                           + [state_leaves[i] for i in state_kept])
+            aux = [outs[k].leaves[i] for k, i in kept] if kept else []
+            if state_kept:
+                aux += [state_leaves[i] for i in state_kept]
+            return grads, aux
 
         # Autograd itself refuses writes into the differentiated leaves: watch the others.
         watch = _Watch(self, params, state, inputs, index)
         try:
-            primals, vjp_fn, aux = (split_vjp if split else self.engine)(
-                flat, params,
-                [value.leaves[i] for value, where in zip(inputs, index) for i in where],
-                has_aux=True)
+            x = inputs[0]
+            differentiated = x.leaves if len(inputs) == 1 and len(index[0]) == len(x.leaves) \
+                else [value.leaves[i] for value, where in zip(inputs, index) for i in where]
+            if split:
+                primals, vjp_fn, aux = split_vjp(flat, params, differentiated, has_aux=True)
+            elif accumulate is not None:
+                primals, vjp_fn, aux = autograd_vjp(flat, params, differentiated, accumulate)
+            else:
+                primals, vjp_fn, aux = self.engine(flat, params, differentiated)
         except RuntimeError as exc:
             if "used in an in-place operation" not in str(exc):
                 raise
@@ -107,15 +118,19 @@ class StageCall:
                              "compute a new tensor instead") from exc
         watch.check()
         outs, kept, state_leaves, state_spec, state_kept = side
-        for (k, i), leaf in zip(kept, aux[:len(kept)]):
+        for (k, i), leaf in zip(kept, aux):
             outs[k].leaves[i] = leaf
-        for i, leaf in zip(state_kept, aux[len(kept):]):
-            state_leaves[i] = leaf
-        primal = iter(primals)
+        new_state = None
+        if state_spec is not None:
+            for i, leaf in zip(state_kept, aux[len(kept):]):
+                state_leaves[i] = leaf
+            new_state = optree.tree_unflatten(state_spec, state_leaves)
+        k = 0
         for out in outs:
             for i in out.grad_index:
-                out.leaves[i] = next(primal)
-        return outs, optree.tree_unflatten(state_spec, state_leaves), vjp_fn
+                out.leaves[i] = primals[k]
+                k += 1
+        return outs, new_state, vjp_fn
 
     def _outputs(self, results: tuple, size: int | None) -> list[Value]:
         """The core's outputs flattened, each checked to keep the micro-batch's ``size``."""
@@ -124,6 +139,19 @@ class StageCall:
             for what, out in zip(self.outputs_named, outs):
                 check_output(out, size, what)
         return outs
+
+
+def _split_outputs(outs: list[Value]) -> tuple[list, list]:
+    """The differentiated leaves of ``outs``, and ``(output, leaf)`` of their other tensors."""
+    if len(outs) == 1 and outs[0].leaves and len(outs[0].grad_index) == len(outs[0].leaves):
+        return list(outs[0].leaves), []
+    grads = [out.leaves[i] for out in outs for i in out.grad_index]
+    if not grads:
+        raise StageError("the stage returned no floating-point tensor, so no gradient can "
+                         "flow back through it")
+    kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
+            if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
+    return grads, kept
 
 
 class _Watch:
@@ -143,12 +171,14 @@ class _Watch:
             leaves += optree.tree_leaves(state)
         for i, value in enumerate(inputs):
             skip = differentiated[i] if differentiated is not None else ()
-            leaves += value.leaves if not skip else \
-                [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
+            if not skip:
+                leaves += value.leaves
+            elif len(skip) < len(value.leaves):  # (else every leaf is differentiated)
+                leaves += [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
         # Inference tensors (made under torch.inference_mode) keep no version counter.
-        self.tensors = [leaf for leaf in leaves
-                        if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
-        self.versions = [t._version for t in self.tensors]
+        self.tensors = tensors = [leaf for leaf in leaves
+                                  if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
+        self.versions = [t._version for t in tensors] if tensors else tensors
 
     def check(self) -> None:
         for tensor, version in zip(self.tensors, self.versions):

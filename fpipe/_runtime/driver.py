@@ -28,7 +28,7 @@ from fpipe._runtime.rng import StepSeed, UnseededDraws
 from fpipe._runtime.step import Step, TrainResult
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.thread_state import ThreadState
-from fpipe._runtime.workers import Inbox, WorkerPool
+from fpipe._runtime.workers import Inbox, WorkerPool, warn_if_oversubscribed
 from fpipe.errors import StageError
 from fpipe.schedules.actions import Program
 from fpipe.timeline import Recorder
@@ -50,14 +50,19 @@ class _LocalChannel:
         self.devices = devices
 
     def receive(self, key: tuple, device: torch.device) -> Any:
-        item, event, like = self.inbox.take(key)
-        leaves = self.transport.receive(item, event, device)
-        return leaves if like is None else Value(leaves, like.spec, like.grad_index)
+        leaves, event, like = self.inbox.take(key)
+        if event is not None:
+            leaves = self.transport.receive(leaves, event, device)
+        if like is None or leaves is like.leaves:  # (a value that did not move is itself)
+            return leaves if like is None else like
+        return Value(leaves, like.spec, like.grad_index)
 
     def send(self, leaves: list, src: torch.device, stage: int, key: tuple,
              like: Value | None) -> None:
-        moved, event = self.transport.send(leaves, src, self.devices[stage])
-        self.inboxes[self.owners[stage]].put(key, (moved, event, like))
+        dst, event = self.devices[stage], None
+        if dst != src:  # (on one device, nothing moves)
+            leaves, event = self.transport.send(leaves, src, dst)
+        self.inboxes[self.owners[stage]].put(key, (leaves, event, like))
 
 
 class LocalDriver:
@@ -78,8 +83,9 @@ class LocalDriver:
         self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
                                        self.transport, stateful, grad_dtype, autodiff,
                                        concurrent=n_workers > 1)
+        warn_if_oversubscribed(n_workers)
         self.pool = WorkerPool(n_workers)
-        self._compiled: dict[tuple[Program, bool], tuple] = {}
+        self._compiled: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self._holder: int | None = None
 

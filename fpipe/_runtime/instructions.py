@@ -67,6 +67,10 @@ def _kinds() -> dict[str, Kind]:
 def compiled(cache: dict, program: Program, training: bool, stateful: bool = False) -> tuple:
     """``program`` validated and compiled for training or inference, memoised in ``cache``:
     every program is validated before it first runs."""
+    # The program last used is found by identity: hashing one hashes every action.
+    last = cache.get(("last", training))
+    if last is not None and last[0] is program:
+        return last[1]
     key = (program, training)
     plan = cache.get(key)
     if plan is None:
@@ -74,6 +78,7 @@ def compiled(cache: dict, program: Program, training: bool, stateful: bool = Fal
         if stateful:
             _check_forward_order(program)
         plan = cache[key] = _compile(program, training)
+    cache["last", training] = (program, plan)
     return plan
 
 
@@ -118,7 +123,7 @@ def _check_forward_order(program: Program) -> None:
 class Job:
     """One worker's run of one step: what the handlers of its actions share."""
 
-    __slots__ = ("interpreter", "step", "channel", "calls", "last", "received")
+    __slots__ = ("interpreter", "step", "channel", "calls", "last", "received", "accumulating")
 
     def __init__(self, interpreter: Interpreter, step: Step, channel: Channel) -> None:
         self.interpreter, self.step, self.channel = interpreter, step, channel
@@ -127,6 +132,11 @@ class Job:
                       interpreter.inference_calls)
         self.last = len(interpreter.devices) - 1
         self.received: Value | None = None  # the input of the running forward, for errors
+        # Per stage: whether its unsplit backwards add parameter gradients into the step's
+        # leaves inside autograd (the same sums as GradSums.add's, in the same order); not
+        # with functorch's engine, nor where each gradient is cast to grad_dtype first.
+        self.accumulating = [call is not None and call.accumulates and
+                             interpreter.grad_dtype is None for call in self.calls]
 
     def timed(self, kind: Kind, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
         """The span of one action for a Recorder, or nothing when the step is not recorded."""
@@ -146,7 +156,7 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
         channel.receive(("x", stage, microbatch), device)
     job.received = x
     inputs = (x, *(channel.receive(("s", name, microbatch), device)
-                   for name in interpreter.pops[stage]))
+                   for name in interpreter.pops[stage])) if interpreter.pops[stage] else (x,)
     state, mb = step.state[stage], step.batch[microbatch]
     dropped = not kind.keep and step.training  # to be recomputed
     with interpreter.transport.compute(device), \
@@ -155,7 +165,8 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
             job.timed(kind, stage, microbatch):
         if kind.keep:
             outs, step.state[stage], vjp_fn = call.forward_vjp(
-                step.params[stage], inputs, state, mb, split=kind.split)
+                step.params[stage], inputs, state, mb, split=kind.split,
+                accumulate=_accumulate(job, kind, stage))
             step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, inputs))
         else:
             outs, step.state[stage] = call.forward(step.params[stage], inputs, state, mb)
@@ -166,9 +177,10 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
                                     outs[0].leaves[0] if step.training else outs[0].tree())
         return
     channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch), outs[0])
-    for name, value in zip(interpreter.stashes[stage], outs[1:]):
-        channel.send(value.leaves, device, interpreter.routes[name][1], ("s", name, microbatch),
-                     value)
+    if interpreter.stashes[stage]:
+        for name, value in zip(interpreter.stashes[stage], outs[1:]):
+            channel.send(value.leaves, device, interpreter.routes[name][1],
+                         ("s", name, microbatch), value)
 
 
 def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
@@ -182,7 +194,8 @@ def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
                                      check=True) as drawing, \
             recomputing(), job.timed(kind, stage, microbatch):
         *_, vjp_fn = call.forward_vjp(step.params[stage], inputs, state,
-                                      step.batch[microbatch], split=kind.split)
+                                      step.batch[microbatch], split=kind.split,
+                                      accumulate=_accumulate(job, kind, stage))
     if drawing.drew != drew:
         raise StageError(f"the stage drew random numbers in its "
                          f"{'forward' if drew else 'recompute'} but not in its "
@@ -212,7 +225,8 @@ def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
             input_grads = vjp_fn.input_grads(cotangent)
         else:
             param_grads, input_grads = vjp_fn(cotangent)
-            step.grads.add(stage, param_grads, interpreter.grad_dtype)
+            if param_grads is not None:  # else added into the step's leaves by autograd
+                step.grads.add(stage, param_grads, interpreter.grad_dtype)
     if kind.split:
         step.pending_weights[stage, microbatch] = vjp_fn
     if stage == 0 and step.open_ended:
@@ -245,6 +259,14 @@ def _backward_weight(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
 
 
 KINDS = _kinds()
+
+
+def _accumulate(job: Job, kind: Kind, stage: int) -> list | None:
+    """The step's leaves for ``stage``'s parameters where its backward adds into them (see
+    :attr:`Job.accumulating`; a split backward's W half adds its own), else ``None``."""
+    if kind.split or not job.accumulating[stage]:
+        return None
+    return job.step.grads.leaves(stage, job.step.params[stage])
 
 
 def _grad_counts(call: StageCall, inputs: tuple[Value, ...]) -> tuple[int, ...]:

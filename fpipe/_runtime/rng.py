@@ -57,36 +57,46 @@ class UnseededDraws(Exception):
 
 class _SharedLock:
     """A readers-writer lock that prefers writers: watched calls share a generator, a seeded
-    call holds it alone."""
+    call holds it alone. Uncontended, it takes and frees one mutex per call."""
 
-    __slots__ = ("_cond", "_readers", "_writer", "_waiting")
+    __slots__ = ("_mutex", "_cond", "_readers", "_writer", "_waiting", "_sleeping")
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._readers = 0
         self._writer = False
-        self._waiting = 0
+        self._waiting = 0  # writers waiting: readers let them go first
+        self._sleeping = 0  # threads waiting on the condition, to be woken on release
 
     def acquire(self, exclusive: bool) -> None:
-        with self._cond:
+        with self._mutex:
             if exclusive:
                 self._waiting += 1
                 while self._writer or self._readers:
-                    self._cond.wait()
+                    self._sleep()
                 self._waiting -= 1
                 self._writer = True
             else:
                 while self._writer or self._waiting:
-                    self._cond.wait()
+                    self._sleep()
                 self._readers += 1
 
+    def _sleep(self) -> None:
+        self._sleeping += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._sleeping -= 1
+
     def release(self, exclusive: bool) -> None:
-        with self._cond:
+        with self._mutex:
             if exclusive:
                 self._writer = False
             else:
                 self._readers -= 1
-            self._cond.notify_all()
+            if self._sleeping:
+                self._cond.notify_all()
 
 
 class _Generator:
@@ -102,6 +112,11 @@ class _Generator:
 
     def state(self) -> torch.Tensor:
         return self.torch.get_state()
+
+    def seed(self, seed: int, stage: int, microbatch: int, i: int) -> None:
+        """Seed for the call of (stage, micro-batch) from the step's seed; ``i``: which of the
+        stage's generators this is."""
+        self.torch.manual_seed(_mix(seed, stage, microbatch, i))
 
 
 _generators: dict[tuple, _Generator] = {}
@@ -181,8 +196,33 @@ class RandomStages:
         """Where (stage, micro-batch) runs; ``seeded`` forces every generator to be seeded
         (a step run again after :class:`UnseededDraws`). With ``check`` the call always finds
         out whether it drew (``call.drew``): a forward and its recompute must agree."""
+        if not self.concurrent and not check:  # seeded, with nothing to learn or check
+            return _Seeded(self.generators[stage], seed, stage, microbatch)
         return _Call(self, seed, stage, microbatch, training,
                      seeded or not self.concurrent, check)
+
+
+class _Seeded:
+    """A call where stages cannot run concurrently and nothing is checked: its generators held
+    alone and seeded, as :class:`_Call` holds them then, without the bookkeeping."""
+
+    __slots__ = ("generators", "seed", "stage", "microbatch")
+    drew = False  # not found out (no check asked for it)
+
+    def __init__(self, generators: tuple[_Generator, ...], seed: int, stage: int,
+                 microbatch: int) -> None:
+        self.generators, self.seed, self.stage, self.microbatch = \
+            generators, seed, stage, microbatch
+
+    def __enter__(self) -> _Seeded:
+        for i, g in enumerate(self.generators):
+            g.lock.acquire(True)
+            g.seed(self.seed, self.stage, self.microbatch, i)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for g in reversed(self.generators):
+            g.lock.release(True)
 
 
 class _Call:
@@ -200,31 +240,33 @@ class _Call:
         self.drew = False
 
     def __enter__(self) -> _Call:
-        draws = self.random.draws
-        for i, g in enumerate(self.random.generators[self.stage]):
-            seen = draws.get((self.stage, self.training, g.key))
+        random, stage, training = self.random, self.stage, self.training
+        draws, held = random.draws, self.held
+        for i, g in enumerate(random.generators[stage]):
+            seen = draws.get((stage, training, g.key))
             exclusive = self.seeded or seen is not False
             g.lock.acquire(exclusive)
             if exclusive:
-                g.torch.manual_seed(_mix(self.seed, self.stage, self.microbatch, i))
+                g.seed(self.seed, stage, self.microbatch, i)
             # A seeded call compares only to learn or check; when neither is needed, it skips.
-            learn = self.check or not exclusive or (self.random.concurrent and seen is not True)
-            self.held.append((g, exclusive, g.state() if learn else None))
+            learn = self.check or not exclusive or (random.concurrent and seen is not True)
+            held.append((g, exclusive, g.state() if learn else None))
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         unseeded = False
-        draws = self.random.draws
-        for g, exclusive, before in reversed(self.held):
+        held = self.held
+        while held:
+            g, exclusive, before = held.pop()
             if before is not None:
                 drew = not torch.equal(g.state(), before)
                 self.drew = self.drew or drew
                 key = (self.stage, self.training, g.key)
+                draws = self.random.draws
                 if exclusive:
                     draws[key] = drew or draws.get(key, False)
                 elif drew:
                     unseeded = True
             g.lock.release(exclusive)
-        self.held.clear()
         if unseeded and exc_type is None:
             raise UnseededDraws(self.stage, self.microbatch)

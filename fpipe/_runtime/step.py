@@ -83,13 +83,30 @@ class Step:
 
 
 class GradSums:
-    """Per stage, the sum over micro-batches of its parameters' gradients (flat leaves)."""
+    """Per stage, the sum over micro-batches of its parameters' gradients (flat leaves).
 
-    __slots__ = ("totals", "owned")
+    Two ways in, and :meth:`out` gives their sum per stage:
+
+    - :meth:`leaves`: the step's own leaves for a stage's parameters, which require grad; a
+      backward through ``torch.autograd`` adds into their ``.grad`` inside the engine, as
+      ``loss.backward()`` accumulates over micro-batches. Made per step (from that step's
+      parameters), never kept across steps. Used where the sum is the same as :meth:`add`'s:
+      no ``grad_dtype`` and a backward not split.
+    - :meth:`add`: one micro-batch's gradients, as a vjp returned them."""
+
+    __slots__ = ("totals", "owned", "made")
 
     def __init__(self, n_stages: int) -> None:
         self.totals: list = [None] * n_stages
         self.owned: set[int] = set()  # stages whose totals are fpipe's own tensors
+        self.made: list = [None] * n_stages  # per stage, the step's leaves (or None)
+
+    def leaves(self, stage: int, params: list) -> list:
+        """The step's leaves for ``stage``'s parameters, ``params``: detached, requiring grad."""
+        made = self.made[stage]
+        if made is None:
+            made = self.made[stage] = [p.detach().requires_grad_() for p in params]
+        return made
 
     def add(self, stage: int, grads: list, dtype: torch.dtype | None = None) -> None:
         """Add one micro-batch's gradients. Called inside the device's compute scope: the sums
@@ -113,8 +130,18 @@ class GradSums:
     def out(self) -> list:
         """Per stage, its summed leaves (``None`` for a stage without a backward here), never
         aliasing a vjp's own output."""
-        return [total if stage in self.owned or total is None else [g.clone() for g in total]
-                for stage, total in enumerate(self.totals)]
+        return [self._out(stage) for stage in range(len(self.totals))]
+
+    def _out(self, stage: int) -> list | None:
+        total, made = self.totals[stage], self.made[stage]
+        if total is not None and stage not in self.owned:
+            total = [g.clone() for g in total]
+        if made is None:
+            return total
+        accumulated = [torch.zeros_like(p) if p.grad is None else p.grad for p in made]
+        if total is None:
+            return accumulated
+        return [a + b for a, b in zip(total, accumulated)]
 
 
 class Channel(Protocol):

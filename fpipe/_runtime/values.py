@@ -36,7 +36,12 @@ class Value:
         return optree.tree_unflatten(self.spec, self.leaves)
 
 
+_TENSOR = optree.tree_structure(torch.empty(0))  # the structure of a lone tensor
+
+
 def flatten(tree: Any) -> Value:
+    if type(tree) is torch.Tensor:  # the common case, without a walk
+        return Value([tree], _TENSOR, (0,) if differentiable(tree) else ())
     leaves, spec = tree_flatten(tree)
     return Value(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if differentiable(leaf)))
 

@@ -10,13 +10,47 @@ inside a step.
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["Aborted", "Inbox", "WorkerPool"]
+from fpipe.errors import OversubscriptionWarning
+
+__all__ = ["Aborted", "Inbox", "WorkerPool", "cores", "warn_if_oversubscribed"]
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def warn_if_oversubscribed(n_workers: int) -> None:
+    """Say so when ``n_workers`` threads are more than the cores that can run them at once."""
+    available = cores()
+    if n_workers <= available:
+        return
+    warnings.warn(
+        f"this pipeline runs {n_workers} worker threads, but this process has {available} CPU "
+        f"cores: the workers will take turns, and each value handed from one worker to the "
+        f"next waits for a thread to be woken. Put several stages on one worker with "
+        f"fpipe.schedules.colocate(program, workers), or silence this with "
+        f"warnings.simplefilter('ignore', fpipe.OversubscriptionWarning)",
+        OversubscriptionWarning, stacklevel=_outside_fpipe())
+
+
+def _outside_fpipe() -> int:
+    """The stack level of the first caller outside fpipe (the line that built the pipeline)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "fpipe":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Aborted(Exception):
@@ -24,35 +58,35 @@ class Aborted(Exception):
 
 
 class Inbox:
-    """Values addressed to one worker, each taken once by key."""
+    """Values addressed to one worker, each taken once by key, only by that worker.
 
-    __slots__ = ("_items", "_ready", "aborted")
+    Every put rings a bell (a ``queue.SimpleQueue``, whose waits and wake-ups are C code): a
+    worker waiting for a key sleeps on the bell and looks again at each ring. A ring it did not
+    wait for (a value found at once) only costs a later wait one look more; none is lost, since
+    the queue counts them."""
+
+    __slots__ = ("_items", "_bell", "aborted")
 
     def __init__(self) -> None:
         self._items: dict[Hashable, Any] = {}
-        self._ready = threading.Condition(threading.Lock())
+        self._bell: queue.SimpleQueue = queue.SimpleQueue()
         self.aborted = False
 
     def put(self, key: Hashable, item: Any) -> None:
-        with self._ready:
-            self._items[key] = item
-            self._ready.notify()
+        self._items[key] = item
+        self._bell.put(None)
 
     def take(self, key: Hashable) -> Any:
         items = self._items
-        if key in items:  # already delivered: no lock needed to pop our own key
-            return items.pop(key)
-        with self._ready:
-            while key not in items:
-                if self.aborted:
-                    raise Aborted
-                self._ready.wait()
-            return items.pop(key)
+        while key not in items:
+            if self.aborted:
+                raise Aborted
+            self._bell.get()
+        return items.pop(key)
 
     def abort(self) -> None:
-        with self._ready:
-            self.aborted = True
-            self._ready.notify_all()
+        self.aborted = True
+        self._bell.put(None)
 
 
 class WorkerPool:

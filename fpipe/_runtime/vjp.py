@@ -1,0 +1,188 @@
+"""The two autodiff engines a stage's vjp is taken with, on flat lists of leaves.
+
+Both have one signature: ``engine(fn, params, inputs)`` with ``fn(params, inputs) ->
+(outputs, aux)`` over lists of tensors returns the detached outputs, ``vjp_fn`` and the
+detached aux; ``vjp_fn(cotangents)`` returns ``(param_grads, input_grads)``, zeros where a
+leaf does not reach the outputs, and may be called once.
+
+- :func:`func_vjp` is ``torch.func.vjp(fn, params, inputs, has_aux=True)`` without its pytree
+  layer, which costs more than a small stage's arithmetic: the same functorch calls
+  (a grad level, leaves wrapped and made differentiable, outputs unwrapped) on the lists
+  directly. It needs functorch's internal functions; where they are missing (another torch),
+  it is ``torch.func.vjp`` itself (:func:`public_func_vjp`). Both give the same gradients,
+  bit for bit (``tests/test_vjp.py``).
+- :func:`autograd_vjp` takes the same vjp through ``torch.autograd``: leaves detached and made
+  to require grad, the outputs' graph walked by autograd's engine. Given ``accumulate`` (the
+  step's own leaves for the parameters, see :class:`~fpipe._runtime.step.GradSums`), the
+  backward adds the parameters' gradients into those leaves' ``.grad`` inside the engine, as
+  ``loss.backward()`` does, and ``vjp_fn`` returns ``None`` for them.
+
+Backwards call autograd's engine through ``torch.autograd.graph._engine_run_backward``, the
+function ``torch.autograd.grad`` ends in, once the cotangents are checked to fit the outputs
+(same shapes, plain tensors); otherwise, or without that function, through
+``torch.autograd.grad`` itself, whose checks then explain what does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.func import vjp as _torch_func_vjp
+from torch.torch_version import TorchVersion
+
+__all__ = ["func_vjp", "public_func_vjp", "autograd_vjp", "run_backward"]
+
+try:  # functorch's internals, as torch.func.vjp calls them (torch 2.3 to 2.13 at least)
+    if TorchVersion(torch.__version__) < (2, 3):
+        raise ImportError("functorch's internals are used from torch 2.3 on")
+    from torch._C._functorch import (
+        _grad_decrement_nesting,
+        _grad_increment_nesting,
+        _unwrap_for_grad,
+        _wrap_for_grad,
+        get_inplace_requires_grad_allowed,
+        set_inplace_requires_grad_allowed,
+    )
+except ImportError:
+    _grad_increment_nesting = None
+
+try:
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:
+    _engine_run_backward = None
+
+_HOOKS = ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. "
+          "Please open an issue with your use case.")
+
+
+def run_backward(outs: list, cotangents: list, inputs: list, accumulate: bool = False
+                 ) -> tuple | None:
+    """The gradients of ``inputs`` given the ``cotangents`` of ``outs`` (``None`` where an
+    input is not reached), or with ``accumulate``, nothing: the gradients are added into the
+    inputs' ``.grad``. The graph is freed."""
+    fit = _engine_run_backward is not None
+    for o, c in zip(outs, cotangents):  # what torch.autograd.grad's checks would pass (the
+        # engine checks dtypes and devices itself): plain tensors of the outputs' shapes
+        if type(o) is not torch.Tensor or type(c) is not torch.Tensor or o.shape != c.shape:
+            fit = False
+            break
+    if fit:
+        grads = _engine_run_backward(tuple(outs), tuple(cotangents), False, False,
+                                     tuple(inputs), True, accumulate_grad=accumulate)
+        return None if accumulate else grads
+    if accumulate:
+        torch.autograd.backward(outs, cotangents, inputs=inputs)
+        return None
+    return torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
+
+
+def _zeros_for_none(grads: tuple | list, like: list) -> list:
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
+
+
+def public_func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
+    """``torch.func.vjp`` itself, with the engines' signature."""
+    outs, vjp_fn, aux = _torch_func_vjp(fn, params, inputs, has_aux=True)
+    return outs, lambda cotangents: tuple(vjp_fn(list(cotangents))), aux
+
+
+def _func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
+    """What ``torch.func.vjp(fn, params, inputs, has_aux=True)`` runs, on the lists."""
+    with torch.autograd.graph.disable_saved_tensors_hooks(_HOOKS):
+        level = _grad_increment_nesting()
+        try:
+            with torch.enable_grad():
+                allowed = get_inplace_requires_grad_allowed()
+                set_inplace_requires_grad_allowed(True)
+                try:
+                    params = [_wrap_for_grad(p, level).requires_grad_() for p in params]
+                    inputs = [_wrap_for_grad(x, level).requires_grad_() for x in inputs]
+                finally:
+                    set_inplace_requires_grad_allowed(allowed)
+                outs, aux = fn(params, inputs)
+                aux = [_unwrap_for_grad(a, level) for a in aux]
+                results = [_unwrap_for_grad(o, level) for o in outs]
+        finally:
+            _grad_decrement_nesting()
+    diff = params + inputs
+    n = len(params)
+
+    def vjp_fn(cotangents: list) -> tuple[list, list]:
+        pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+        if not pairs:
+            grads = [torch.zeros_like(x) for x in diff]
+        else:
+            with torch._dynamo.compiled_autograd._disable(), _inference_mode_off():
+                grads = _zeros_for_none(
+                    run_backward([o for o, _ in pairs], [c for _, c in pairs], diff), diff)
+        return grads[:n], grads[n:]
+
+    return results, vjp_fn, aux
+
+
+func_vjp = public_func_vjp if _grad_increment_nesting is None else _func_vjp
+
+
+class _inference_mode_off:
+    """Autograd runs outside inference mode; grad mode is left as it is (as torch.func's
+    vjp function does, which may run after the caller entered inference mode)."""
+
+    __slots__ = ("state",)
+
+    def __enter__(self) -> None:
+        self.state = None
+        if torch.is_inference_mode_enabled():
+            self.state = torch.inference_mode(False)
+            grad, forward_grad = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
+            self.state.__enter__()
+            torch._C._set_grad_enabled(grad)
+            torch._C._set_fwd_grad_enabled(forward_grad)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.state is not None:
+            self.state.__exit__(*exc)
+
+
+def autograd_vjp(fn: Callable, params: list, inputs: list,
+                 accumulate: list | None = None) -> tuple:
+    """The vjp through ``torch.autograd``; with ``accumulate`` (leaves that require grad, in
+    place of ``params``), parameter gradients are added into their ``.grad``."""
+    params = accumulate if accumulate is not None else \
+        [p.detach().requires_grad_() for p in params]
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    if torch.is_grad_enabled():  # as in every training step
+        outs, aux = fn(params, inputs)
+    else:
+        with torch.enable_grad():
+            outs, aux = fn(params, inputs)
+    diff = params + inputs
+    n = len(params)
+
+    def vjp_fn(cotangents: list) -> tuple[list | None, list]:
+        outs_, cotangents_ = outs, cotangents
+        for o in outs:
+            if not o.requires_grad:  # only outputs that depend on a leaf take part
+                pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+                outs_, cotangents_ = [o for o, _ in pairs], [c for _, c in pairs]
+                break
+        if not outs_ or not diff:  # nothing to differentiate (a stage without parameters
+            # and inputs without gradient, or outputs that depend on none of them)
+            return (None if accumulate is not None else [torch.zeros_like(p) for p in params],
+                    [torch.zeros_like(x) for x in inputs])
+        if accumulate is None:
+            grads = _zeros_for_none(run_backward(outs_, cotangents_, diff), diff)
+            return grads[:n], grads[n:]
+        run_backward(outs_, cotangents_, diff, accumulate=True)
+        grads = []
+        for x in inputs:
+            grad = x.grad
+            grads.append(torch.zeros_like(x) if grad is None else grad)
+        return None, grads
+
+    detached = [o.detach() for o in outs]
+    return detached, vjp_fn, _detached(aux) if aux else aux
+
+
+def _detached(values: list) -> list:
+    return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
