@@ -28,6 +28,7 @@ from fpipe._runtime.split_backward import split_vjp
 from fpipe.schedules import (
     Costs,
     colocate,
+    draw,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
@@ -72,6 +73,8 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--trace", metavar="PATH", help="write simulated and measured timelines")
+    p.add_argument("--draw", metavar="DIR", help="draw 1F1B's measured step and its calibrated "
+                   "simulation as DIR/measured.png and DIR/calibrated.png (needs matplotlib)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -94,7 +97,7 @@ def main() -> None:
         return torch.nn.functional.mse_loss(y, t)
 
     # A forward that will be recomputed runs without a graph: the cheaper ``plain`` cost.
-    rows, timelines = [], {}
+    rows, timelines, reference = [], {}, None
     for name, program, program_costs in (
         (f"GPipe(never), {k} workers", gpipe(chunks, remat="never").program(k), costs),
         (f"GPipe(always), {k} workers", gpipe(chunks, remat="always").program(k),
@@ -112,14 +115,40 @@ def main() -> None:
         with fpipe.pipeline([stage] * program.n_stages, split(program.n_stages),
                             schedule=program, loss_fn=loss_fn) as pipe:
             measured = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
-            pipe.value_and_grad(x, target, record=recorder)
+            for _ in range(repeat):
+                pipe.value_and_grad(x, target, record=recorder)
+        # Calibrated: costs fitted to this program's recorded steps (overhead and latency too).
+        fitted = Costs.from_timeline(*recorder.steps, n_stages=program.n_stages)
+        calibrated = simulate(program, fitted)
+        spans = [max((s.end for row in step for s in row), default=0.0) for step in recorder.steps]
         timelines[f"{name}: simulated"] = simulation
+        timelines[f"{name}: calibrated"] = calibrated
         timelines[f"{name}: measured"] = recorder.timeline
+        if name.startswith("1F1B"):
+            reference = fitted
+        cross = (simulate(program, reference).makespan
+                 if reference is not None and program.n_stages == k else None)
         rows.append({"program": name, "predicted_ms": predicted * 1e3,
-                     "measured_ms": measured * 1e3, "measured/predicted": measured / predicted})
+                     "calibrated_ms": calibrated.makespan * 1e3,
+                     "from_1f1b_ms": None if cross is None else cross * 1e3,
+                     "recorded_ms": sorted(spans)[len(spans) // 2] * 1e3,
+                     "measured_ms": measured * 1e3, "measured/predicted": measured / predicted,
+                     "measured/calibrated": measured / calibrated.makespan,
+                     "overhead_us": fitted.overhead * 1e6, "latency_us": fitted.latency * 1e6})
+        if args.draw and name.startswith("1F1B"):
+            draw(recorder.timeline, f"{args.draw}/measured.png", title=f"{name}: measured",
+                 time_unit="s")
+            draw(calibrated, f"{args.draw}/calibrated.png", title=f"{name}: calibrated "
+                 f"simulation", time_unit="s")
     report(f"Simulated vs measured step time ({layers} blocks of width {width} in {k} stages, "
            f"batch {batch}, {chunks} micro-batches, 1 intra-op thread)",
-           ["program", "predicted_ms", "measured_ms", "measured/predicted"], rows, args.json)
+           ["program", "predicted_ms", "calibrated_ms", "from_1f1b_ms", "recorded_ms",
+            "measured_ms", "measured/predicted", "measured/calibrated", "overhead_us",
+            "latency_us"], rows, args.json,
+           [f"calibrated: Costs.from_timeline over {repeat} recorded steps of the same program; "
+            "from_1f1b: the costs fitted to 1F1B's steps (full backwards: I and W are halves "
+            "of B), for the programs with one stage per worker; recorded: the median last "
+            "span end of the recorded steps; measured: median wall time of a step"])
     if args.trace:
         write_chrome_trace(args.trace, timelines)
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")

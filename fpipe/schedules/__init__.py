@@ -19,7 +19,7 @@ from fpipe.schedules.interleaved import (
 from fpipe.schedules.one_f_one_b import OneFOneB, one_f_one_b
 from fpipe.schedules.remat import apply_remat, normalize_remat
 from fpipe.schedules.render import draw, listing, render
-from fpipe.schedules.simulate import Costs, Simulation, Span, in_flight, simulate
+from fpipe.schedules.simulate import Breakdown, Costs, Simulation, Span, in_flight, simulate
 from fpipe.schedules.trace import chrome_trace, write_chrome_trace
 from fpipe.schedules.validate import ScheduleError, validate
 from fpipe.schedules.zero_bubble import ZeroBubble, ZeroBubbleV, zero_bubble, zero_bubble_v
@@ -30,5 +30,5 @@ __all__ = [
     "in_flight", "colocate", "program_of", "to_csv", "from_csv", "render", "draw", "listing",
     "chrome_trace", "write_chrome_trace", "interleaved_one_f_one_b", "looped_bfs",
     "zero_bubble", "zero_bubble_v", "InterleavedOneFOneB", "LoopedBFS", "ZeroBubble",
-    "ZeroBubbleV",
+    "ZeroBubbleV", "Breakdown",
 ]
