@@ -16,9 +16,11 @@ from fpipe.schedules.interleaved import (
     interleaved_one_f_one_b,
     looped_bfs,
 )
+from fpipe.schedules.memory import Memory, check_memory, peak_bytes
 from fpipe.schedules.one_f_one_b import OneFOneB, one_f_one_b
 from fpipe.schedules.remat import apply_remat, normalize_remat
 from fpipe.schedules.render import draw, listing, render
+from fpipe.schedules.search import FAMILIES, Choice, Trial, choose_schedule
 from fpipe.schedules.simulate import Breakdown, Costs, Simulation, Span, in_flight, simulate
 from fpipe.schedules.trace import chrome_trace, write_chrome_trace
 from fpipe.schedules.validate import ScheduleError, validate
@@ -31,4 +33,5 @@ __all__ = [
     "chrome_trace", "write_chrome_trace", "interleaved_one_f_one_b", "looped_bfs",
     "zero_bubble", "zero_bubble_v", "InterleavedOneFOneB", "LoopedBFS", "ZeroBubble",
     "ZeroBubbleV", "Breakdown",
+    "Memory", "peak_bytes", "check_memory", "choose_schedule", "Choice", "Trial", "FAMILIES",
 ]

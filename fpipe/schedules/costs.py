@@ -159,6 +159,17 @@ class Costs:
         return replace(self, **{name: _map(lambda c: c * factor, getattr(self, name))
                                 for name in (*COMPUTE, "transfer")})
 
+    def as_model(self, n_stages: int) -> Costs:
+        """The same costs for the whole model (``per="model"``): each op's time summed over
+        the ``n_stages`` stages, so programs with other stage counts can use them."""
+        stage = self.for_stages(n_stages)
+
+        def total(cost: Cost) -> float:
+            return sum(cost) if isinstance(cost, tuple) else cost * n_stages
+
+        return replace(stage, per="model", **{name: total(getattr(stage, name))
+                                              for name in COMPUTE})
+
     @classmethod
     def from_timeline(cls, *timelines: Sequence[Sequence[object]], n_stages: int | None = None,
                       statistic: str = "mean") -> Costs:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from fpipe.schedules.actions import Action, B, F, Program, R, W
 from fpipe.schedules.costs import Cost, Costs
+from fpipe.schedules.memory import Memory
+from fpipe.schedules.memory import peak_bytes as count_bytes
 from fpipe.schedules.validate import dependencies, execution_order, validate
 
 __all__ = ["Costs", "Cost", "Span", "Breakdown", "Simulation", "simulate", "in_flight"]
@@ -72,7 +74,8 @@ class Simulation:
     peak_bytes: tuple[int, ...] | None = None
 
 
-def simulate(program: Program, costs: Costs | None = None, memory: object = None) -> Simulation:
+def simulate(program: Program, costs: Costs | None = None,
+             memory: Memory | None = None) -> Simulation:
     """Run ``program`` under ``costs`` by list scheduling.
 
     Each worker runs its actions in order; an action starts when its worker is free (plus
@@ -88,11 +91,7 @@ def simulate(program: Program, costs: Costs | None = None, memory: object = None
     costs = costs.for_stages(program.n_stages)
     training = any(a.op is not F for actions in program.workers for a in actions)
     validate(program, training=training)
-    peak_bytes = None
-    if memory is not None:
-        from fpipe.schedules.memory import peak_bytes as count_bytes
-
-        peak_bytes = count_bytes(program, memory)
+    peak_bytes = None if memory is None else count_bytes(program, memory)
     present = frozenset(a for actions in program.workers for a in actions)
     placement = program.placement
     free = [0.0] * program.n_workers

@@ -1,0 +1,157 @@
+"""Memory in bytes: each worker's peak over a program, and a program checked against a budget.
+
+Counting live micro-batches says which schedule holds more, not whether it fits a device. With
+the bytes a stage's forward keeps (measured by :func:`fpipe.timeline.stage_memory`, or given)
+and the parameter, gradient and optimiser bytes, a program's peak on each worker follows from
+each worker's order alone, so it can be checked before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+from fpipe.schedules.actions import Action, B, F, I, Program, R, W
+from fpipe.schedules.costs import Cost, _cost, _items
+from fpipe.schedules.validate import ScheduleError
+
+__all__ = ["Memory", "peak_bytes", "check_memory"]
+
+#: What a micro-batch's size scales (:meth:`Memory.scaled`).
+PER_SAMPLE = ("activations", "inputs")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes, a number for all stages or a tuple with one per stage.
+
+    - ``activations``: what the forward of one micro-batch keeps for its backward, its input
+      included, alive from the forward until the backward ends (``B``, or the ``W`` of a split
+      backward, which still reads them);
+    - ``inputs``: one micro-batch's input to the stage, all that a forward keeps when the pair
+      will be recomputed (until its ``R`` rebuilds the activations);
+    - ``parameters``, ``gradients`` (default: as many as the parameters) and ``optimizer``
+      (e.g. Adam's two moments: twice the parameters): held by the worker of each stage for
+      the whole step.
+
+    ``per="model"`` gives the whole model's activations, parameters, gradients and optimiser
+    bytes, split evenly over the program's stages; ``inputs`` are per stage either way.
+    What an action allocates while it runs and frees at its end (a backward's temporary
+    gradients, a matmul's workspace) is not counted: leave headroom for it.
+    """
+
+    activations: Cost = 0.0
+    inputs: Cost = 0.0
+    parameters: Cost = 0.0
+    gradients: Cost | None = None
+    optimizer: Cost = 0.0
+    per: str = "stage"
+
+    def __post_init__(self) -> None:
+        if self.per not in ("stage", "model"):
+            raise ValueError(f"memory.per must be 'stage' or 'model', got {self.per!r}")
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name == "per" or value is None:
+                continue
+            value = _cost(field.name, value)
+            if isinstance(value, tuple) and self.per == "model":
+                raise ValueError(f"memory.{field.name} must be a single number with "
+                                 f"per=model, got {value!r}")
+            object.__setattr__(self, field.name, value)
+        if self.gradients is None:
+            object.__setattr__(self, "gradients", self.parameters)
+
+    def for_stages(self, n_stages: int) -> Memory:
+        """Per-stage bytes for a program of ``n_stages`` stages (a ValueError when a tuple
+        does not have one entry per stage)."""
+        if self.per == "model":
+            return replace(self, per="stage", **{
+                f.name: getattr(self, f.name) / n_stages for f in fields(self)
+                if f.name not in ("per", "inputs")})  # an input is as large however cut
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, tuple) and len(value) != n_stages:
+                raise ValueError(f"memory.{field.name} has {len(value)} entries but the program "
+                                 f"has {n_stages} stages")
+        return self
+
+    def scaled(self, factor: float) -> Memory:
+        """Activations and inputs times ``factor`` (a micro-batch ``factor`` times as large);
+        parameters, gradients and optimiser state kept."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"the factor must be a positive number, got {factor!r}")
+        return replace(self, **{name: tuple(v * factor for v in _items(getattr(self, name)))
+                                if isinstance(getattr(self, name), tuple)
+                                else getattr(self, name) * factor for name in PER_SAMPLE})
+
+    def of(self, name: str, stage: int) -> float:
+        value = getattr(self, name)
+        return value[stage] if isinstance(value, tuple) else value
+
+
+def peak_bytes(program: Program, memory: Memory) -> tuple[int, ...]:
+    """Each worker's peak bytes over ``program``: its stages' parameters, gradients and optimiser
+    state, plus the most activation bytes alive at once in its order (see :class:`Memory`)."""
+    return tuple(peak for peak, _ in _peaks(program, memory))
+
+
+def check_memory(program: Program, memory: Memory, budget: float) -> Program:
+    """``program`` if every worker's peak (:func:`peak_bytes`) is within ``budget`` bytes, else
+    a :class:`~fpipe.schedules.ScheduleError` under the rule ``memory-budget`` naming the first
+    worker over it and the action at which it first reaches its peak."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
+        raise ValueError(f"budget must be a non-negative number of bytes, got {budget!r}")
+    from fpipe.schedules.validate import _in_context
+
+    for worker, (peak, at) in enumerate(_peaks(program, memory)):
+        if peak > budget:
+            action = program.workers[worker][at] if at is not None else None
+            raise _in_context(ScheduleError(
+                "memory-budget", f"worker {worker} needs {peak:,} bytes "
+                f"({peak / budget:.2f}x the budget of {int(budget):,})"
+                + (f", first at {action}" if action is not None else " for its stages' state"),
+                action, worker), program, [(worker, at)] if at is not None else [])
+    return program
+
+
+def _peaks(program: Program, memory: Memory) -> list[tuple[int, int | None]]:
+    """Per worker, (peak bytes, position of the action that first reaches it, or None)."""
+    if not isinstance(memory, Memory):
+        raise TypeError(f"memory must be a Memory value, got a {type(memory).__name__}")
+    memory = memory.for_stages(program.n_stages)
+    out = []
+    for actions in program.workers:
+        stages = {a.stage for a in actions}
+        state = sum(memory.of(name, s) for s in stages
+                    for name in ("parameters", "gradients", "optimizer"))
+        live = peak = 0.0
+        at = None
+        for position, change in enumerate(_changes(actions, memory)):
+            live += change
+            if live > peak:
+                peak, at = live, position
+        out.append((round(state + peak), at))
+    return out
+
+
+def _changes(actions: tuple[Action, ...], memory: Memory) -> list[float]:
+    """How each action changes the activation bytes alive on its worker; the bytes an action
+    keeps count from its start, those it frees after its end."""
+    backward = {(a.stage, a.microbatch) for a in actions if a.op is B or a.op is W}
+    recomputed = {(a.stage, a.microbatch) for a in actions if a.op is R}
+
+    def change(action: Action) -> float:
+        pair, stage = (action.stage, action.microbatch), action.stage
+        if action.op is F:
+            if pair not in backward:
+                return 0.0
+            return memory.of("inputs" if pair in recomputed else "activations", stage)
+        if action.op is R:
+            return memory.of("activations", stage) - memory.of("inputs", stage)
+        if action.op is B or action.op is W:
+            return -memory.of("activations", stage)
+        assert action.op is I
+        return 0.0
+
+    return [change(a) for a in actions]
