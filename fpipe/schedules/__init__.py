@@ -23,7 +23,7 @@ from fpipe.schedules.render import draw, listing, render
 from fpipe.schedules.search import FAMILIES, Choice, Trial, choose_schedule
 from fpipe.schedules.simulate import Breakdown, Costs, Simulation, Span, in_flight, simulate
 from fpipe.schedules.trace import chrome_trace, write_chrome_trace
-from fpipe.schedules.validate import ScheduleError, validate
+from fpipe.schedules.validate import ScheduleError, StageCountError, validate
 from fpipe.schedules.zero_bubble import ZeroBubble, ZeroBubbleV, zero_bubble, zero_bubble_v
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
     "zero_bubble", "zero_bubble_v", "InterleavedOneFOneB", "LoopedBFS", "ZeroBubble",
     "ZeroBubbleV", "Breakdown",
     "Memory", "peak_bytes", "check_memory", "choose_schedule", "Choice", "Trial", "FAMILIES",
+    "StageCountError",
 ]

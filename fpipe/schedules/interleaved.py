@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fpipe.schedules.actions import Action, B, F, Program, positive_int
+from fpipe.schedules.actions import Action, B, F, Program, stage_count, stage_count_error
 from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 __all__ = ["InterleavedOneFOneB", "LoopedBFS", "interleaved_one_f_one_b", "looped_bfs"]
@@ -18,9 +18,9 @@ __all__ = ["InterleavedOneFOneB", "LoopedBFS", "interleaved_one_f_one_b", "loope
 
 def looped_workers(n_stages: int, stages_per_worker: int, name: str) -> int:
     """The number of workers K = n_stages / v, or a ValueError when v does not divide it."""
-    positive_int("n_stages", n_stages)
+    stage_count(n_stages)
     if n_stages % stages_per_worker:
-        raise ValueError(
+        raise stage_count_error(
             f"{name} with stages_per_worker={stages_per_worker} needs a number of stages that "
             f"is a multiple of {stages_per_worker} (worker w holds stages w, w+K, ...), got "
             f"{n_stages}"
