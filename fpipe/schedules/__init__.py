@@ -7,13 +7,17 @@ for testing schedules are in :mod:`fpipe.schedules.strategies` (not imported her
 """
 
 from fpipe.schedules.actions import Action, Op, Program, program_of
+from fpipe.schedules.builder import ListScheduled, backward_first, forward_first, list_schedule
 from fpipe.schedules.colocate import colocate
 from fpipe.schedules.csv_format import from_csv, to_csv
+from fpipe.schedules.dualpipe import DualPipeV, dual_pipe_v
 from fpipe.schedules.gpipe import GPipe, gpipe
 from fpipe.schedules.interleaved import (
     InterleavedOneFOneB,
+    InterleavedZeroBubble,
     LoopedBFS,
     interleaved_one_f_one_b,
+    interleaved_zero_bubble,
     looped_bfs,
 )
 from fpipe.schedules.memory import Memory, check_memory, peak_bytes
@@ -34,5 +38,6 @@ __all__ = [
     "zero_bubble", "zero_bubble_v", "InterleavedOneFOneB", "LoopedBFS", "ZeroBubble",
     "ZeroBubbleV", "Breakdown",
     "Memory", "peak_bytes", "check_memory", "choose_schedule", "Choice", "Trial", "FAMILIES",
-    "StageCountError",
+    "StageCountError", "list_schedule", "ListScheduled", "backward_first", "forward_first",
+    "dual_pipe_v", "DualPipeV", "interleaved_zero_bubble", "InterleavedZeroBubble",
 ]

@@ -14,8 +14,13 @@ from dataclasses import dataclass
 
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.costs import Costs
+from fpipe.schedules.dualpipe import dual_pipe_v
 from fpipe.schedules.gpipe import gpipe
-from fpipe.schedules.interleaved import interleaved_one_f_one_b, looped_bfs
+from fpipe.schedules.interleaved import (
+    interleaved_one_f_one_b,
+    interleaved_zero_bubble,
+    looped_bfs,
+)
 from fpipe.schedules.memory import Memory, peak_bytes
 from fpipe.schedules.one_f_one_b import one_f_one_b
 from fpipe.schedules.remat import POLICIES
@@ -41,9 +46,13 @@ def _looped(make: Callable) -> Family:
     return family
 
 
-def _v_shape(make: Callable) -> Family:
-    return lambda chunks, remat, n_stages, n_workers: (
-        make(chunks, remat) if n_stages == 2 * n_workers else None)
+def _v_shape(make: Callable, chunks_per_stage: bool = False) -> Family:
+    """A V: 2K stages on K workers (with ``chunks_per_stage``, at least one chunk per stage,
+    as DualPipeV needs)."""
+    def family(chunks: int, remat: str, n_stages: int, n_workers: int) -> object:
+        fits = n_stages == 2 * n_workers and (not chunks_per_stage or chunks >= n_stages)
+        return make(chunks, remat) if fits else None
+    return family
 
 
 #: The shipped families :func:`choose_schedule` tries by default, by name.
@@ -54,6 +63,8 @@ FAMILIES: dict[str, Family] = {
     "interleaved_one_f_one_b": _looped(interleaved_one_f_one_b),
     "looped_bfs": _looped(looped_bfs),
     "zero_bubble_v": _v_shape(zero_bubble_v),
+    "interleaved_zero_bubble": _looped(interleaved_zero_bubble),
+    "dual_pipe_v": _v_shape(dual_pipe_v, chunks_per_stage=True),
 }
 
 
