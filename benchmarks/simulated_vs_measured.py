@@ -166,9 +166,10 @@ def main() -> None:
            ["program", "predicted_ms", "calibrated_ms", "from_1f1b_ms", "recorded_ms",
             "recorded_min_ms", "recorded_max_ms", "wall_ms", "recorded/predicted",
             "recorded/calibrated", "overhead_us", "latency_us"], rows, args.json,
-           [f"{2 * repeat} rounds, one timed and one recorded step of each program per round; "
-            "calibrated: Costs.from_timeline (medians) on the even recorded steps; recorded: median (min, "
-            "max) last span end of the odd ones, which the fit has not seen; from_1f1b: the "
+           [f"{2 * repeat} "
+            "rounds, one timed and one recorded step of each program per round; calibrated: "
+            "Costs.from_timeline (medians) on the even recorded steps; recorded: median (min,"
+            " max) last span end of the odd ones, which the fit has not seen; from_1f1b: the "
             "costs fitted to 1F1B's even steps (full backwards, so I and W are halves of B), "
             "for the programs with one stage per worker; wall: median wall time of the timed "
             "steps (the step around its spans: splitting, loss, hand-back)"])
