@@ -56,11 +56,12 @@ def test_a_program_is_checked_against_a_budget():
     memory = Memory(activations=(100, 50), parameters=(1000, 1000))
     assert peak_bytes(program, memory) == (2000 + 200, 2000 + 100)
     assert check_memory(program, memory, budget=2200) is program
-    with pytest.raises(ScheduleError, match="worker 0 needs 2,200 bytes") as caught:
+    with pytest.raises(ScheduleError, match="worker 0 needs 2,200 bytes at its peak") as \
+            caught:
         check_memory(program, memory, budget=2199)
     assert caught.value.rule == "memory-budget" and caught.value.worker == 0
-    assert str(caught.value.action) == "0F1"  # the second live micro-batch reaches the peak
-    with pytest.raises(ScheduleError, match="for its stages' state"):
+    assert str(caught.value.action) == "0F1"  # the second live micro-batch goes over
+    with pytest.raises(ScheduleError, match="its stages' state alone is 10,000"):
         check_memory(program, Memory(parameters=5000), budget=9999)
 
 

@@ -93,30 +93,40 @@ class Memory:
 def peak_bytes(program: Program, memory: Memory) -> tuple[int, ...]:
     """Each worker's peak bytes over ``program``: its stages' parameters, gradients and optimiser
     state, plus the most activation bytes alive at once in its order (see :class:`Memory`)."""
-    return tuple(peak for peak, _ in _peaks(program, memory))
+    return tuple(peak for peak, _, _ in _walks(program, memory))
 
 
 def check_memory(program: Program, memory: Memory, budget: float) -> Program:
     """``program`` if every worker's peak (:func:`peak_bytes`) is within ``budget`` bytes, else
     a :class:`~fpipe.schedules.ScheduleError` under the rule ``memory-budget`` naming the first
-    worker over it and the action at which it first reaches its peak."""
+    worker over it and the action at which it first goes over (none when its stages' state
+    alone does)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
         raise ValueError(f"budget must be a non-negative number of bytes, got {budget!r}")
     from fpipe.schedules.validate import _in_context
 
-    for worker, (peak, at) in enumerate(_peaks(program, memory)):
-        if peak > budget:
-            action = program.workers[worker][at] if at is not None else None
-            raise _in_context(ScheduleError(
-                "memory-budget", f"worker {worker} needs {peak:,} bytes "
-                f"({peak / budget:.2f}x the budget of {int(budget):,})"
-                + (f", first at {action}" if action is not None else " for its stages' state"),
-                action, worker), program, [(worker, at)] if at is not None else [])
+    for worker, (peak, state, changes) in enumerate(_walks(program, memory)):
+        if peak <= budget:
+            continue
+        live, at = state, None
+        for position, change in enumerate(changes):
+            live += change
+            if live > budget:
+                at = position
+                break
+        action = program.workers[worker][at] if at is not None and state <= budget else None
+        where = (f", first at {action}" if action is not None
+                 else f"; its stages' state alone is {round(state):,}")
+        raise _in_context(ScheduleError(
+            "memory-budget", f"worker {worker} needs {peak:,} bytes at its peak "
+            f"({peak / budget:.2f}x the budget of {int(budget):,}){where}",
+            action, worker), program,
+            [(worker, at)] if action is not None else [])
     return program
 
 
-def _peaks(program: Program, memory: Memory) -> list[tuple[int, int | None]]:
-    """Per worker, (peak bytes, position of the action that first reaches it, or None)."""
+def _walks(program: Program, memory: Memory) -> list[tuple[int, float, list[float]]]:
+    """Per worker: peak bytes, its stages' state bytes, and each action's change."""
     if not isinstance(memory, Memory):
         raise TypeError(f"memory must be a Memory value, got a {type(memory).__name__}")
     memory = memory.for_stages(program.n_stages)
@@ -125,13 +135,12 @@ def _peaks(program: Program, memory: Memory) -> list[tuple[int, int | None]]:
         stages = {a.stage for a in actions}
         state = sum(memory.of(name, s) for s in stages
                     for name in ("parameters", "gradients", "optimizer"))
+        changes = _changes(actions, memory)
         live = peak = 0.0
-        at = None
-        for position, change in enumerate(_changes(actions, memory)):
+        for change in changes:
             live += change
-            if live > peak:
-                peak, at = live, position
-        out.append((round(state + peak), at))
+            peak = max(peak, live)
+        out.append((round(state + peak), state, changes))
     return out
 
 
