@@ -4,9 +4,10 @@
 
 1. Calibrate: on the residual-block model of benchmarks/residual.py (K stages, one worker
    thread each, one intra-op thread per worker), record steps of 1F1B and of ZB-H1 at each
-   chunk count tried, and fit ``Costs.from_timeline`` to them (ZB-H1's steps give the split
-   backward's halves, 1F1B's the full backward), as whole-model costs (``Costs.as_model``),
-   one per chunk count. Measure the activation bytes with ``fpipe.timeline.stage_memory``.
+   chunk count tried, in rounds (one step of each in turn), and fit ``Costs.from_timeline``
+   (medians) to them (ZB-H1's steps give the split backward's halves, 1F1B's the full
+   backward), as whole-model costs (``Costs.as_model``), one per chunk count. Measure the
+   activation bytes with ``fpipe.timeline.stage_memory``.
 2. Choose: ``choose_schedule`` over K and 2K stages on K workers, every shipped family, the
    chunk counts calibrated and every remat policy, within ``--budget-mb`` per worker if given.
 3. Measure: the chosen program's step time beside every shipped family at 8 micro-batches
@@ -27,8 +28,10 @@ from fpipe.schedules import (
     Costs,
     Memory,
     choose_schedule,
+    dual_pipe_v,
     gpipe,
     interleaved_one_f_one_b,
+    interleaved_zero_bubble,
     looped_bfs,
     one_f_one_b,
     zero_bubble,
@@ -39,21 +42,26 @@ from fpipe.timeline import stage_memory
 MB = 1e6
 
 
-def calibrate(model: Model, params: list, x, target, k: int, chunk_counts: tuple[int, ...],
+def calibrate(params: list, x, target, k: int, chunk_counts: tuple[int, ...],
               steps: int) -> dict[int, Costs]:
-    """{M: whole-model costs of one micro-batch at M}, fitted to recorded 1F1B and ZB-H1 steps
-    on ``k`` stages."""
-    fitted = {}
-    for m in chunk_counts:
-        recorder = fpipe.Recorder()
-        for schedule in (one_f_one_b(m), zero_bubble(m)):
-            with fpipe.pipeline([stage] * k, split(params, k), schedule=schedule,
-                                loss_fn=loss_fn) as pipe:
-                pipe.value_and_grad(x, target)  # warm-up
-                for _ in range(steps):
-                    pipe.value_and_grad(x, target, record=recorder)
-        fitted[m] = Costs.from_timeline(*recorder.steps, n_stages=k).as_model(k)
-    return fitted
+    """{M: whole-model costs of one micro-batch at M}, fitted (medians) to recorded 1F1B and
+    ZB-H1 steps on ``k`` stages. The steps are recorded in rounds, one of each (program, M)
+    in turn, so that a machine busier at one moment than another weighs on every M alike."""
+    runs = [(m, schedule) for m in chunk_counts for schedule in (one_f_one_b(m), zero_bubble(m))]
+    pipes = [fpipe.pipeline([stage] * k, split(params, k), schedule=schedule, loss_fn=loss_fn)
+             for _, schedule in runs]
+    recorders = {m: fpipe.Recorder() for m in chunk_counts}
+    try:
+        for pipe in pipes:
+            pipe.value_and_grad(x, target)  # warm-up
+        for _ in range(steps):
+            for (m, _), pipe in zip(runs, pipes):
+                pipe.value_and_grad(x, target, record=recorders[m])
+    finally:
+        for pipe in pipes:
+            pipe.close()
+    return {m: Costs.from_timeline(*recorder.steps, n_stages=k, statistic="median").as_model(k)
+            for m, recorder in recorders.items()}
 
 
 def main() -> None:
@@ -72,7 +80,7 @@ def main() -> None:
     x, target = model.data()
 
     started = time.perf_counter()
-    costs = calibrate(model, params, x, target, k, chunk_counts, steps=2 if args.quick else 3)
+    costs = calibrate(params, x, target, k, chunk_counts, steps=2 if args.quick else 5)
     stages_memory = stage_memory([stage] * k, split(params, k), x)  # the whole batch
     memory = Memory(activations=sum(stages_memory.activations), inputs=stages_memory.inputs[0],
                     parameters=0.0, gradients=sum(stages_memory.gradients), per="model")
@@ -86,7 +94,9 @@ def main() -> None:
             ("zero_bubble(8)", zero_bubble(8), k),
             ("interleaved_one_f_one_b(8, v=2)", interleaved_one_f_one_b(8, 2), 2 * k),
             ("looped_bfs(8, v=2)", looped_bfs(8, 2), 2 * k),
-            ("zero_bubble_v(8)", zero_bubble_v(8), 2 * k)]
+            ("interleaved_zero_bubble(8, v=2)", interleaved_zero_bubble(8, 2), 2 * k),
+            ("zero_bubble_v(8)", zero_bubble_v(8), 2 * k),
+            ("dual_pipe_v(8)", dual_pipe_v(8), 2 * k)]
     label = f"chosen: {chosen.name}({chosen.chunks}, {chosen.remat})"
     runs = [(label, chosen.program, chosen.program.n_stages)] + [
         (name, schedule.program(n), n) for name, schedule, n in hand]
