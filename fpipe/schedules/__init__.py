@@ -1,9 +1,13 @@
 """Schedules as values: programs of per-worker actions, checked and simulated before running.
 
 Nothing here knows about tensors: a schedule compiles to a :class:`Program`, which can be
-printed, validated, transformed (rematerialisation) and simulated on its own, exchanged with
-``torch.distributed.pipelining`` as CSV, drawn, and traced for Perfetto. Hypothesis strategies
-for testing schedules are in :mod:`fpipe.schedules.strategies` (not imported here).
+printed, validated, transformed (rematerialisation) and simulated on its own (time under
+:class:`Costs`, which can be fitted to a recorded step; memory in bytes under
+:class:`Memory`), exchanged with ``torch.distributed.pipelining`` as CSV, drawn, and traced
+for Perfetto. :func:`list_schedule` builds programs from a priority rule and an in-flight
+cap; :func:`choose_schedule` picks the fastest program that fits a memory budget.
+Hypothesis strategies for testing schedules are in :mod:`fpipe.schedules.strategies` (not
+imported here).
 """
 
 from fpipe.schedules.actions import Action, Op, Program, program_of
