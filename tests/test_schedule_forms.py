@@ -18,6 +18,7 @@ from fpipe.schedules import (
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
+    placement_of,
     program_of,
     render,
     simulate,
@@ -40,7 +41,8 @@ def test_program_of_and_apply_remat_take_every_form(form):
     remat = apply_remat(schedule, "always")
     assert program_of(remat, 3) == one_f_one_b(4, "always").program(3)
     assert recomputed(program_of(remat, 3)) == {(s, m) for s in range(3) for m in range(4)}
-    assert program_of(remat, 3).placement == (0, 1, 2)
+    assert program_of(remat, 3).placement == placement_of(schedule, 3) == (0, 1, 2)
+    assert placement_of(zero_bubble_v(2), 4) == (0, 1, 1, 0)
 
 
 @pytest.mark.parametrize("schedule, n_stages", [

@@ -203,6 +203,12 @@ def program_of(schedule: object, n_stages: int) -> Program:
     return program
 
 
+def placement_of(schedule: object, n_stages: int) -> tuple[int | None, ...]:
+    """The worker of each stage in ``schedule``'s program for ``n_stages`` stages, whatever
+    the schedule's form (see :func:`program_of` and :attr:`Program.placement`)."""
+    return program_of(schedule, n_stages).placement
+
+
 def stage_count_error(explanation: str) -> ValueError:
     """A :class:`~fpipe.schedules.validate.StageCountError` (imported here on demand: the
     validator imports this module)."""
