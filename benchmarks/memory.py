@@ -22,7 +22,8 @@ micro-batches.
 - *sim_total_MB* / *sim_per_worker_MB*: ``simulate(program, memory=...)``'s peak bytes (summed
   over the workers / the largest worker), from each stage's activation bytes measured by
   ``fpipe.timeline.stage_memory`` on one micro-batch and the gradients' bytes (the parameters
-  exist before the step, so neither side counts them).
+  exist before the step, so neither side counts them); a backward's workspace is taken to be
+  as large as its stage's activations (the gradients of what it saved).
 
 Second table ("largest model in a budget", after torchgpipe's AmoebaNet-D memory table): the
 most layers of the same width that train in ``--budget-mb`` megabytes, found by doubling then
@@ -331,7 +332,8 @@ def main() -> None:
         measured = stage_memory([stage] * n_stages, split(params, n_stages),
                                 x[: -(-model.batch // m)])
         sim = simulate(program, memory=replace(measured, parameters=0.0,
-                                               gradients=measured.parameters))
+                                               gradients=measured.parameters,
+                                               workspace=measured.activations))
         with fpipe.pipeline([stage] * n_stages, stage_params, schedule=schedule,
                             loss_fn=loss_fn) as pipe:
             xd, td = x.to(devices[0]), target.to(devices[-1])

@@ -44,6 +44,17 @@ def test_state_bytes_and_what_remat_frees(K, chunks):
         4000 + 100 * min(K - k, chunks) for k in range(K))
 
 
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_a_backward_workspace_counts_while_it_runs(K, chunks):
+    memory = Memory(activations=100, workspace=30)
+    assert peak_bytes(one_f_one_b(chunks).program(K), memory) == tuple(
+        100 * min(K - k, chunks) + 30 for k in range(K))
+    assert peak_bytes(gpipe(chunks, "never").program(K), memory) == (100 * chunks + 30,) * K
+    with pytest.raises(ScheduleError) as caught:
+        check_memory(gpipe(chunks, "never").program(K), memory, budget=100 * chunks + 29)
+    assert caught.value.action.op.name == "BACKWARD"
+
+
 def test_model_memory_is_split_over_the_program_stages():
     model = Memory(activations=800, inputs=10, parameters=4000, per="model")
     program = interleaved_one_f_one_b(8, stages_per_worker=2).program(4)

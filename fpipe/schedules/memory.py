@@ -32,12 +32,16 @@ class Memory:
       will be recomputed (until its ``R`` rebuilds the activations);
     - ``parameters``, ``gradients`` (default: as many as the parameters) and ``optimizer``
       (e.g. Adam's two moments: twice the parameters): held by the worker of each stage for
-      the whole step.
+      the whole step;
+    - ``workspace``: what a backward (``B`` or ``I``) of the stage allocates while it runs and
+      frees at its end, above all else then alive: the gradients of the saved activations,
+      about as large as the activations themselves (nothing measures it for you; 0 by
+      default).
 
-    ``per="model"`` gives the whole model's activations, parameters, gradients and optimiser
-    bytes, split evenly over the program's stages; ``inputs`` are per stage either way.
-    What an action allocates while it runs and frees at its end (a backward's temporary
-    gradients, a matmul's workspace) is not counted: leave headroom for it.
+    ``per="model"`` gives the whole model's activations, workspace, parameters, gradients and
+    optimiser bytes, split evenly over the program's stages; ``inputs`` are per stage either
+    way. Not counted: buffers a transfer receives into, and what a split backward's graph
+    keeps between ``I`` and ``W`` beyond the activations.
     """
 
     activations: Cost = 0.0
@@ -45,6 +49,7 @@ class Memory:
     parameters: Cost = 0.0
     gradients: Cost | None = None
     optimizer: Cost = 0.0
+    workspace: Cost = 0.0
     per: str = "stage"
 
     def __post_init__(self) -> None:
@@ -109,11 +114,11 @@ def check_memory(program: Program, memory: Memory, budget: float) -> Program:
         if peak <= budget:
             continue
         live, at = state, None
-        for position, change in enumerate(changes):
-            live += change
-            if live > budget:
+        for position, (during, change) in enumerate(changes):
+            if live + max(during, change) > budget:
                 at = position
                 break
+            live += change
         action = program.workers[worker][at] if at is not None and state <= budget else None
         where = (f", first at {action}" if action is not None
                  else f"; its stages' state alone is {round(state):,}")
@@ -125,8 +130,10 @@ def check_memory(program: Program, memory: Memory, budget: float) -> Program:
     return program
 
 
-def _walks(program: Program, memory: Memory) -> list[tuple[int, float, list[float]]]:
-    """Per worker: peak bytes, its stages' state bytes, and each action's change."""
+def _walks(program: Program,
+           memory: Memory) -> list[tuple[int, float, list[tuple[float, float]]]]:
+    """Per worker: peak bytes, its stages' state bytes, and each action's (bytes above the
+    live ones while it runs, change once it has run)."""
     if not isinstance(memory, Memory):
         raise TypeError(f"memory must be a Memory value, got a {type(memory).__name__}")
     memory = memory.for_stages(program.n_stages)
@@ -137,30 +144,31 @@ def _walks(program: Program, memory: Memory) -> list[tuple[int, float, list[floa
                     for name in ("parameters", "gradients", "optimizer"))
         changes = _changes(actions, memory)
         live = peak = 0.0
-        for change in changes:
+        for during, change in changes:
+            peak = max(peak, live + during, live + change)
             live += change
-            peak = max(peak, live)
         out.append((round(state + peak), state, changes))
     return out
 
 
-def _changes(actions: tuple[Action, ...], memory: Memory) -> list[float]:
-    """How each action changes the activation bytes alive on its worker; the bytes an action
-    keeps count from its start, those it frees after its end."""
+def _changes(actions: tuple[Action, ...], memory: Memory) -> list[tuple[float, float]]:
+    """Per action: the bytes above those alive that it holds while it runs (a backward's
+    workspace), and how it changes the activation bytes alive on its worker (what a forward
+    keeps counts from its start, what a backward frees from its end)."""
     backward = {(a.stage, a.microbatch) for a in actions if a.op is B or a.op is W}
     recomputed = {(a.stage, a.microbatch) for a in actions if a.op is R}
 
-    def change(action: Action) -> float:
+    def change(action: Action) -> tuple[float, float]:
         pair, stage = (action.stage, action.microbatch), action.stage
         if action.op is F:
             if pair not in backward:
-                return 0.0
-            return memory.of("inputs" if pair in recomputed else "activations", stage)
+                return 0.0, 0.0
+            kept = memory.of("inputs" if pair in recomputed else "activations", stage)
+            return kept, kept
         if action.op is R:
-            return memory.of("activations", stage) - memory.of("inputs", stage)
-        if action.op is B or action.op is W:
-            return -memory.of("activations", stage)
-        assert action.op is I
-        return 0.0
+            rebuilt = memory.of("activations", stage) - memory.of("inputs", stage)
+            return rebuilt, rebuilt
+        workspace = memory.of("workspace", stage) if action.op in (B, I) else 0.0
+        return workspace, -memory.of("activations", stage) if action.op is not I else 0.0
 
     return [change(a) for a in actions]
