@@ -40,11 +40,16 @@ def test_python_blocks_run(page, prelude, tmp_path, monkeypatch, capsys):
     exec(compile(prelude, "prelude", "exec"), namespace)
     found = blocks(page)
     assert found
-    for number, code in enumerate(found):
-        exec(compile(code, f"{page} block {number + 1}", "exec"), namespace)
-    for name, value in list(namespace.items()):  # the hypothesis tests a page defines
-        if name.startswith("test_") and callable(value):
-            value()
+    try:
+        for number, code in enumerate(found):
+            exec(compile(code, f"{page} block {number + 1}", "exec"), namespace)
+        for name, value in list(namespace.items()):  # the hypothesis tests a page defines
+            if name.startswith("test_") and callable(value):
+                value()
+    finally:
+        for pipe in {id(v): v for v in namespace.values() if hasattr(v, "close")
+                     and type(v).__name__ == "Pipeline"}.values():
+            pipe.close()
 
 
 def test_choosing_guide_claims():
