@@ -19,6 +19,11 @@ micro-batches.
 - *sim_full* / *sim_live*: what ``fpipe.schedules.simulate`` predicts from the program alone:
   the most (stage, micro-batch) pairs one worker holds with full activations / alive at all
   (a pair to be recomputed holds only its input).
+- *sim_total_MB* / *sim_per_worker_MB*: ``simulate(program, memory=...)``'s peak bytes (summed
+  over the workers / the largest worker), from each stage's activation bytes measured by
+  ``fpipe.timeline.stage_memory`` on one micro-batch and the gradients' bytes (the parameters
+  exist before the step, so neither side counts them); a backward's workspace is taken to be
+  as large as its stage's activations (the gradients of what it saved).
 
 Second table ("largest model in a budget", after torchgpipe's AmoebaNet-D memory table): the
 most layers of the same width that train in ``--budget-mb`` megabytes, found by doubling then
@@ -62,6 +67,7 @@ if __name__ == "__main__" and sys.platform == "linux" \
 import ctypes
 import gc
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -80,6 +86,7 @@ from torch.func import grad_and_value
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b, simulate
+from fpipe.timeline import stage_memory
 
 MB = 1e6
 
@@ -312,14 +319,21 @@ def main() -> None:
         with meter_for([device0]) as meter:
             naive(p0, x0, t0)
         rows.append({"schedule": name, "K": 1, "total_MB": meter.peak / MB,
-                     "per_worker_MB": meter.peak / MB, "sim_full": None, "sim_live": None})
+                     "per_worker_MB": meter.peak / MB, "sim_full": None, "sim_live": None,
+                     "sim_total_MB": None, "sim_per_worker_MB": None})
     del p0
     configs = schedules(m, k)
     for name, schedule, n_stages in configs:
         program = schedule.program(n_stages)
         devices = devices_for(n_stages, program.placement, program.n_workers)
         stage_params = [to(ps, d) for ps, d in zip(split(params, n_stages), devices)]
-        sim = simulate(program)
+        # Bytes: activations measured by one profiling call on a micro-batch; the parameters
+        # are there before the step (not in its peak), their gradients are made during it.
+        measured = stage_memory([stage] * n_stages, split(params, n_stages),
+                                x[: -(-model.batch // m)])
+        sim = simulate(program, memory=replace(measured, parameters=0.0,
+                                               gradients=measured.parameters,
+                                               workspace=measured.activations))
         with fpipe.pipeline([stage] * n_stages, stage_params, schedule=schedule,
                             loss_fn=loss_fn) as pipe:
             xd, td = x.to(devices[0]), target.to(devices[-1])
@@ -331,7 +345,9 @@ def main() -> None:
             per_worker = max(meter.peaks.values()) / MB
         rows.append({"schedule": name, "K": k, "total_MB": meter.peak / MB,
                      "per_worker_MB": per_worker, "sim_full": max(sim.peak_full_activations),
-                     "sim_live": max(sim.peak_activations)})
+                     "sim_live": max(sim.peak_activations),
+                     "sim_total_MB": sum(sim.peak_bytes) / MB,
+                     "sim_per_worker_MB": max(sim.peak_bytes) / MB})
     # -- the largest model in a budget
     budget = (args.budget_mb or (16 if args.quick else 128)) * MB
     width, batch = (64, 1024) if args.quick else (128, 2048)
@@ -393,7 +409,8 @@ def main() -> None:
                  f"parameters' bytes plus the step's measured peak")
     report(f"Peak memory of one training step ({model.layers} blocks of width {model.width}, "
            f"batch {model.batch}, K={k} workers, M={m} micro-batches)",
-           ["schedule", "K", "total_MB", "per_worker_MB", "sim_full", "sim_live"], rows,
+           ["schedule", "K", "total_MB", "sim_total_MB", "per_worker_MB", "sim_per_worker_MB",
+            "sim_full", "sim_live"], rows,
            args.json, notes, tables={f"Largest model in {budget / MB:g} MB": budget_rows})
 
 

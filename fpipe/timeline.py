@@ -17,7 +17,7 @@ import torch
 from fpipe.schedules.actions import Action
 from fpipe.schedules.simulate import Span
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "stage_memory"]
 
 
 class Recorder:
@@ -143,3 +143,60 @@ def _event(device: torch.device) -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def stage_memory(stages: Any, params: Any, x: Any, *, optimizer: float = 0.0) -> Any:
+    """The :class:`~fpipe.schedules.Memory` of plain stages (``stage(params, x) -> y``),
+    measured by one profiling call on ``x``, one micro-batch's input to the first stage.
+
+    Each stage runs once under autograd with its parameters as leaves. Its ``activations`` are
+    the bytes of the distinct storages its graph saves for the backward, its input included
+    and its parameters excluded (as a kept forward holds them); its ``inputs``, the bytes of
+    its input (what a pair to be recomputed keeps; a view counts its own elements, not its
+    base's); its ``parameters`` and ``gradients``, the bytes of its parameters; its
+    ``optimizer``, ``optimizer`` bytes per parameter byte (Adam: 2). Stages that hold state
+    or skip connections are not measured here: give :class:`~fpipe.schedules.Memory` by hand.
+    """
+    import optree
+
+    from fpipe.schedules.memory import Memory
+
+    activations, inputs, parameters = [], [], []
+    for stage, stage_params in zip(stages, params, strict=True):
+        leaves, spec = optree.tree_flatten(stage_params)
+        leaves = [leaf.detach().requires_grad_(leaf.is_floating_point()) for leaf in leaves]
+        x_leaves = [leaf for leaf in optree.tree_leaves(x) if isinstance(leaf, torch.Tensor)]
+        inputs.append(sum(t.numel() * t.element_size() for t in x_leaves))
+        y, saved = _saved_bytes(stage, optree.tree_unflatten(spec, leaves), x, leaves, x_leaves)
+        activations.append(saved)
+        parameters.append(sum(_nbytes(leaf) for leaf in leaves))
+        x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+    return Memory(activations=tuple(activations), inputs=tuple(inputs),
+                  parameters=tuple(parameters),
+                  optimizer=tuple(optimizer * p for p in parameters))
+
+
+def _saved_bytes(stage: Any, params: Any, x: Any, leaves: list[torch.Tensor],
+                 x_leaves: list[torch.Tensor]) -> tuple[Any, int]:
+    """``stage(params, x)`` and the bytes its graph saves: distinct storages, the parameters'
+    left out, the input's counted by their own elements."""
+    held = {_storage(leaf) for leaf in leaves}
+    saved = {_storage(t): t.numel() * t.element_size() for t in x_leaves}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage(tensor)
+        if key not in held and key not in saved:
+            saved[key] = _nbytes(tensor)
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = stage(params, x)
+    return y, sum(saved.values())
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()

@@ -128,6 +128,30 @@ MUTANTS = (
            "    inputs, state, drew = step.saved.pop((stage, microbatch))\n"
            "    step.state[stage] = state\n",
            ("tests/test_state.py",)),
+    # -- the simulator, memory, choice and builder ------------------------------------------------
+    Mutant("split-backward halves defaulted beside a given backward", "schedules/costs.py",
+           "half = _map(lambda b: b / 2.0, self.backward)", "half = 1.0",
+           ("tests/test_costs.py",), quick=True),
+    Mutant("recomputes counted as useful work", "schedules/simulate.py",
+           "bubble=1.0 - breakdown.useful if total > 0 else 0.0,",
+           "bubble=breakdown.idle if total > 0 else 0.0,",
+           ("tests/test_costs.py",), quick=True),
+    Mutant("a pair to be recomputed keeps all its activations", "schedules/memory.py",
+           'kept = memory.of("inputs" if pair in recomputed else "activations", stage)',
+           'kept = memory.of("activations", stage)',
+           ("tests/test_memory.py",), quick=True),
+    Mutant("choose_schedule ignores the budget", "schedules/search.py",
+           "fitting = [t for t in trials if t.fits]", "fitting = list(trials)",
+           ("tests/test_search.py",), quick=True),
+    Mutant("list_schedule ignores the in-flight cap", "schedules/builder.py",
+           "choice = state.choose(w, free[w], rule, live[w] < caps[w], costs)",
+           "choice = state.choose(w, free[w], rule, True, costs)",
+           ("tests/test_built_schedules.py",), quick=True),
+    Mutant("DualPipeV's main step without its first-stage backward", "schedules/dualpipe.py",
+           "            self.add(second, F)\n            self.add(first, B)\n        for _ in "
+           "range(k - 1 - w):  # 5",
+           "            self.add(second, F)\n        for _ in range(k - 1 - w):  # 5",
+           ("tests/test_built_schedules.py",)),
 )
 
 

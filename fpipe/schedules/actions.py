@@ -123,7 +123,7 @@ class Program:
 
     def program(self, n_stages: int) -> Program:
         if n_stages != self.n_stages:
-            raise ValueError(
+            raise stage_count_error(
                 f"this program is for {self.n_stages} stages but the pipeline has {n_stages}"
             )
         return self
@@ -194,10 +194,35 @@ def program_of(schedule: object, n_stages: int) -> Program:
         raise TypeError(f"schedule must be a schedule value such as gpipe(chunks=8), a Program, "
                         f"or a function n_stages -> Program, got {type(schedule).__name__}")
     program = make(n_stages)
-    if not isinstance(program, Program) or program.n_stages != n_stages:
+    if not isinstance(program, Program):
         raise TypeError(f"{name}({n_stages}) must return a Program for {n_stages} stages, "
                         f"got {program!r}")
+    if program.n_stages != n_stages:
+        raise stage_count_error(f"{name}({n_stages}) must return a Program for {n_stages} "
+                                f"stages, got one for {program.n_stages}: {program!r}")
     return program
+
+
+def placement_of(schedule: object, n_stages: int) -> tuple[int | None, ...]:
+    """The worker of each stage in ``schedule``'s program for ``n_stages`` stages, whatever
+    the schedule's form (see :func:`program_of` and :attr:`Program.placement`)."""
+    return program_of(schedule, n_stages).placement
+
+
+def stage_count_error(explanation: str) -> ValueError:
+    """A :class:`~fpipe.schedules.validate.StageCountError` (imported here on demand: the
+    validator imports this module)."""
+    from fpipe.schedules.validate import StageCountError
+
+    return StageCountError(explanation)
+
+
+def stage_count(n_stages: object) -> int:
+    """``n_stages`` if it is a positive integer, else a StageCountError saying so."""
+    try:
+        return positive_int("n_stages", n_stages)
+    except ValueError as error:
+        raise stage_count_error(str(error)) from None
 
 
 def positive_int(name: str, value: object) -> int:

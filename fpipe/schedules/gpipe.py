@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fpipe.schedules.actions import Action, B, F, Program, positive_int
+from fpipe.schedules.actions import Action, B, F, Program, stage_count
 from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 
@@ -29,7 +29,7 @@ class GPipe:
         Backwards in micro-batch order, as in every shipped schedule, sum each stage's
         gradients in the same order, so schedules doing the same arithmetic per micro-batch
         give bitwise identical gradients."""
-        positive_int("n_stages", n_stages)
+        stage_count(n_stages)
         mbs = range(self.chunks)
         workers = [
             [Action(k, F, m) for m in mbs] + [Action(k, B, m) for m in mbs]

@@ -8,19 +8,30 @@ v times more transfers between workers, and more live activations than 1F1B.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
-from fpipe.schedules.actions import Action, B, F, Program, positive_int
+from fpipe.schedules.actions import (
+    Action,
+    B,
+    F,
+    I,
+    Program,
+    W,
+    stage_count,
+    stage_count_error,
+)
 from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
-__all__ = ["InterleavedOneFOneB", "LoopedBFS", "interleaved_one_f_one_b", "looped_bfs"]
+__all__ = ["InterleavedOneFOneB", "LoopedBFS", "InterleavedZeroBubble", "interleaved_one_f_one_b",
+           "looped_bfs", "interleaved_zero_bubble"]
 
 
 def looped_workers(n_stages: int, stages_per_worker: int, name: str) -> int:
     """The number of workers K = n_stages / v, or a ValueError when v does not divide it."""
-    positive_int("n_stages", n_stages)
+    stage_count(n_stages)
     if n_stages % stages_per_worker:
-        raise ValueError(
+        raise stage_count_error(
             f"{name} with stages_per_worker={stages_per_worker} needs a number of stages that "
             f"is a multiple of {stages_per_worker} (worker w holds stages w, w+K, ...), got "
             f"{n_stages}"
@@ -150,3 +161,60 @@ def looped_bfs(chunks: int, stages_per_worker: int = 2, remat: object = "never")
     """Breadth-first looping with ``stages_per_worker`` stages per worker; ``remat`` is a
     policy accepted by :func:`normalize_remat`."""
     return LoopedBFS(chunks, stages_per_worker, remat)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class InterleavedZeroBubble:
+    """Interleaved zero bubble: ZB-H1 (Qi, Wan, Huang and Lin, "Zero Bubble Pipeline
+    Parallelism", ICLR 2024, arXiv:2401.10241) with ``stages_per_worker`` virtual stages per
+    worker placed in a loop, as ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``
+    orders it (its "ZB1P"), over ``chunks`` micro-batches.
+
+    Why: interleaving divides the fill and drain v-fold, as in interleaved 1F1B; splitting
+    the backward lets the input gradients travel back at the pace of ``I`` alone while the
+    ``W`` actions fill what idle time is left. The warm-up is one forward per hop shorter than
+    interleaved 1F1B's two, since the gradients come back faster; the trade is that a pair
+    stays alive until its ``W``.
+    """
+
+    chunks: int
+    stages_per_worker: int = 2
+    remat: RematPolicy = "never"
+
+    def __post_init__(self) -> None:
+        check_fields(self, "stages_per_worker")
+
+    def program(self, n_stages: int) -> Program:
+        """Worker w of K = n_stages/v: the forwards and backwards of interleaved 1F1B in its
+        rounds (see :meth:`InterleavedOneFOneB.program`), each backward an ``I``; a warm-up of
+        ``(v-1)*G + (K-1-w)`` forwards (G the first round's size); then one forward and one
+        ``I`` in turn, then the ``I`` left; after the (w+1)-th ``I`` and each one after it,
+        the oldest pending ``W``; the ``W`` left go last. With v = 1 this is ZB-H1's program
+        (:class:`~fpipe.schedules.ZeroBubble`)."""
+        v = self.stages_per_worker
+        n_workers = looped_workers(n_stages, v, "interleaved zero bubble")
+        groups = rounds(self.chunks, n_workers)
+        forwards = [(c, m) for r in groups for c in range(v) for m in r]
+        backwards = [(c, m) for r in groups for c in reversed(range(v)) for m in r]
+        workers = []
+        for w in range(n_workers):
+            warmup = min(len(forwards), (v - 1) * len(groups[0]) + (n_workers - 1 - w))
+            order = [(F, c, m) for c, m in forwards[:warmup]]
+            pending: deque[tuple[int, int]] = deque()
+            for i, backward in enumerate(backwards):
+                if warmup + i < len(forwards):
+                    order.append((F, *forwards[warmup + i]))
+                order.append((I, *backward))
+                pending.append(backward)
+                if i >= w:
+                    order.append((W, *pending.popleft()))
+            order += [(W, c, m) for c, m in pending]
+            workers.append([Action(c * n_workers + w, op, m) for op, c, m in order])
+        return apply_remat(Program(workers, n_stages, self.chunks), self.remat)
+
+
+def interleaved_zero_bubble(chunks: int, stages_per_worker: int = 2,
+                            remat: object = "never") -> InterleavedZeroBubble:
+    """Interleaved zero bubble (ZB-H1 with ``stages_per_worker`` virtual stages); ``remat``
+    is a policy accepted by :func:`normalize_remat`."""
+    return InterleavedZeroBubble(chunks, stages_per_worker, remat)  # type: ignore[arg-type]

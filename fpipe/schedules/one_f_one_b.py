@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fpipe.schedules.actions import Action, B, F, Program, positive_int
+from fpipe.schedules.actions import Action, B, F, Program, stage_count
 from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 
@@ -25,7 +25,7 @@ class OneFOneB:
     def program(self, n_stages: int) -> Program:
         """Worker k holds stage k: K-k-1 warm-up forwards, then one forward and one backward
         in turn, then the remaining backwards; backwards go in micro-batch order."""
-        positive_int("n_stages", n_stages)
+        stage_count(n_stages)
         workers = [self._worker(k, n_stages) for k in range(n_stages)]
         return apply_remat(Program(workers, n_stages, self.chunks), self.remat)
 

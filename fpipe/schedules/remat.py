@@ -7,7 +7,10 @@ rather than leaving it to a driver flag, lets memory and time be counted before 
 
 from __future__ import annotations
 
-from fpipe.schedules.actions import Action, B, I, Program, R, positive_int
+from dataclasses import dataclass
+from typing import overload
+
+from fpipe.schedules.actions import Action, B, I, Program, R, positive_int, program_of
 
 #: A normalised policy: one of :data:`POLICIES`, or the frozenset of stages to recompute.
 RematPolicy = str | frozenset[int]
@@ -41,14 +44,41 @@ def normalize_remat(policy: object) -> RematPolicy:
     return stages
 
 
-def apply_remat(program: Program, policy: object) -> Program:
+@dataclass(frozen=True)
+class Rematerialized:
+    """A schedule whose programs get a remat policy applied: what :func:`apply_remat` returns
+    for a schedule that is not a ``Program`` (a value, or a function ``n_stages -> Program``),
+    since its program is known only once the stage count is."""
+
+    schedule: object
+    policy: RematPolicy
+
+    def program(self, n_stages: int) -> Program:
+        return apply_remat(program_of(self.schedule, n_stages), self.policy)
+
+
+@overload
+def apply_remat(program: Program, policy: object) -> Program: ...
+@overload
+def apply_remat(program: object, policy: object) -> Rematerialized: ...
+
+
+def apply_remat(program: object, policy: object) -> Program | Rematerialized:
     """``program`` with ``R(s, m)`` inserted right before the first backward (B or I) of each
     (stage, micro-batch) the policy selects, on that stage's worker.
 
     Pairs that already recompute keep their ``R`` and get no second one, so applying a policy
-    twice changes nothing; pairs without a backward (inference) are left alone.
+    twice changes nothing; pairs without a backward (inference) are left alone. Any schedule
+    form works: given a schedule value or a function ``n_stages -> Program`` rather than a
+    ``Program``, the result is a schedule (:class:`Rematerialized`) whose programs are those of
+    ``program`` with the policy applied.
     """
     policy = normalize_remat(policy)
+    if not isinstance(program, Program):
+        if not (hasattr(program, "program") or callable(program)):
+            raise TypeError(f"apply_remat needs a Program or a schedule, got "
+                            f"{type(program).__name__}")
+        return Rematerialized(program, policy)
     if isinstance(policy, frozenset):
         beyond = sorted(s for s in policy if s >= program.n_stages)
         if beyond:

@@ -59,15 +59,15 @@ _MAX_COLUMNS = 4096
 
 
 def render(schedule: Program | Simulation | Timeline, costs: Costs | None = None, *,
-           max_width: int | None = 120, idle: str = ".", ruler: bool = True) -> str:
+           max_width: int | None = None, idle: str = ".", ruler: bool = True) -> str:
     """A text timeline: one row per worker, time flowing right, idle time as ``idle``.
 
     The scale gives the shortest action room for the longest spelling and a space, so each
     action shows its name and longer ones stretch in proportion. An action that takes no time
     (or next to none: under 1/4096 of the whole) still shows, pushing the rest of its row
-    right. Lines longer than ``max_width`` characters (``None``: no limit) are cut after the
-    last action that fits whole, and a last line says at what time and how many actions are
-    not shown. ``ruler`` adds a first line with times.
+    right. The whole program is shown by default; with ``max_width``, lines longer than that
+    many characters are cut after the last action that fits whole, and a last line says at
+    what time and how many actions are not shown. ``ruler`` adds a first line with times.
     """
     if len(idle) != 1:
         raise ValueError(f"idle must be one character, got {idle!r}")
@@ -206,6 +206,12 @@ _COLORS = {
 }
 
 
+#: The chart's drawing width per panel, in points (10 inches), and its label font size.
+_PANEL_POINTS = 720.0
+_FONT = 8.0
+_MAX_PANELS = 16
+
+
 def draw(schedule: Program | Simulation | Timeline, path: str | os.PathLike[str],
          costs: Costs | None = None, *, title: str | None = None,
          time_unit: str | None = None) -> Path:
@@ -214,7 +220,12 @@ def draw(schedule: Program | Simulation | Timeline, path: str | os.PathLike[str]
     One lane per worker (worker 0 on top), one bar per action coloured by op and labelled with
     its micro-batch (``stage:micro-batch`` where a worker holds several stages). Programs are
     simulated under ``costs`` first. ``time_unit`` names the time axis (e.g. ``"s"``).
-    Needs matplotlib: ``pip install fpipe[plot]``.
+
+    Labels stay legible however long the program: the time axis is folded into panels, one
+    under the other (at most 16), each short enough that an action of typical length has room
+    for its label; a bar too narrow for its label (a tiny action of a measured step) goes
+    without it rather than with an unreadable one. Needs matplotlib: ``pip install
+    fpipe[plot]``.
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -228,39 +239,92 @@ def draw(schedule: Program | Simulation | Timeline, path: str | os.PathLike[str]
         raise ImportError("draw() needs matplotlib: pip install 'fpipe[plot]' "
                           "(or pip install matplotlib)") from error
     timeline = timeline_of(schedule, costs)
+    plan = chart_plan(timeline)
     spans = [s for row in timeline for s in row]
-    stages_on = [{s.action.stage for s in row} for row in timeline]
-    start = min((s.start for s in spans), default=0.0)
-    end = max((s.end for s in spans), default=1.0)
     n_workers = max(len(timeline), 1)
-    figure = Figure(figsize=(min(4 + 0.25 * len(spans) / n_workers, 40), 1 + 0.5 * n_workers),
+    panels = plan.panels
+    figure = Figure(figsize=(12, len(panels) * (0.4 + 0.38 * n_workers) + 0.9),
                     layout="constrained")
-    axes = figure.subplots()
-    font = 8 if len(spans) / n_workers < 40 else 6
-    extent = max(end - start, 1e-12)
-    for worker, row in enumerate(timeline):
-        for span in row:
-            action: Action = span.action
-            width = span.end - span.start
-            axes.barh(worker, width, left=span.start, height=0.8, color=_COLORS[action.op],
-                      edgecolor="white", linewidth=0.5)
-            label = (f"{action.microbatch}" if len(stages_on[worker]) == 1
-                     else f"{action.stage}:{action.microbatch}")
-            if width / extent > 0.004 * len(label):
-                axes.text(span.start + width / 2, worker, label, ha="center", va="center",
-                          fontsize=font, color="white" if action.op is not Op.RECOMPUTE
-                          else "black", clip_on=True)
-    axes.set_yticks(range(len(timeline)), [f"worker {w}" for w in range(len(timeline))])
-    axes.set_ylim(n_workers - 0.5, -0.5)
-    axes.set_xlim(start, start + extent)
-    axes.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    axes_list = figure.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for index, (axes, (low, high)) in enumerate(zip(axes_list, panels)):
+        points_per_unit = _PANEL_POINTS / (high - low)
+        for worker, row in enumerate(timeline):
+            for span in row:
+                if span.end < low or span.start > high:
+                    continue
+                action: Action = span.action
+                width = span.end - span.start
+                axes.barh(worker, width, left=span.start, height=0.8,
+                          color=_COLORS[action.op], edgecolor="white",
+                          linewidth=0.5 if width * points_per_unit > 3 else 0.0)
+                if plan.panel_of(span) == index and plan.labelled(span):
+                    axes.text(span.start + width / 2, worker, plan.labels[id(span)],
+                              ha="center", va="center", fontsize=_FONT, clip_on=True,
+                              color="black" if action.op is Op.RECOMPUTE else "white")
+        axes.set_yticks(range(len(timeline)),
+                        [f"worker {w}" for w in range(len(timeline))])
+        axes.set_ylim(n_workers - 0.5, -0.5)
+        axes.set_xlim(low, high)
+    axes_list[-1].set_xlabel(f"time ({time_unit})" if time_unit else "time")
     used = [op for op in Op if any(s.action.op is op for s in spans)]
-    axes.legend(handles=[Patch(color=_COLORS[op], label=_op_name(op)) for op in used],
-                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    axes_list[0].legend(handles=[Patch(color=_COLORS[op], label=_op_name(op)) for op in used],
+                        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+                        frameon=False)
     if title:
-        axes.set_title(title)
+        axes_list[0].set_title(title)
     figure.savefig(path, format=suffix[1:])
     return path
+
+
+class ChartPlan:
+    """How :func:`draw` lays a timeline out: the time window of each panel, and each span's
+    label (keyed by ``id(span)``), drawn where the bar is wide enough for it."""
+
+    def __init__(self, panels: list[tuple[float, float]], labels: dict[int, str]) -> None:
+        self.panels = panels
+        self.labels = labels
+
+    def panel_of(self, span: Span) -> int:
+        """The panel holding the middle of ``span``, where its label goes."""
+        middle = (span.start + span.end) / 2
+        return next((i for i, (_, high) in enumerate(self.panels) if middle < high),
+                    len(self.panels) - 1)
+
+    def labelled(self, span: Span) -> bool:
+        """Whether ``span``'s bar has room for its label."""
+        low, high = self.panels[self.panel_of(span)]
+        width = (span.end - span.start) * _PANEL_POINTS / (high - low)
+        return width >= _label_points(self.labels[id(span)])
+
+
+def chart_plan(timeline: Sequence[Sequence[Span]]) -> ChartPlan:
+    """Panels as few as can be such that an action of median length has room for the longest
+    label, each covering an equal stretch of time; but no more than one per 24 actions of the
+    busiest worker (a measured step's few long actions would otherwise spread its many short
+    ones over empty panels), and at most 16."""
+    spans = [s for row in timeline for s in row]
+    stages_on = [{s.action.stage for s in row} for row in timeline]
+    labels = {id(span): (f"{span.action.microbatch}" if len(stages_on[worker]) == 1
+                         else f"{span.action.stage}:{span.action.microbatch}")
+              for worker, row in enumerate(timeline) for span in row}
+    start = min((s.start for s in spans), default=0.0)
+    end = max((s.end for s in spans), default=1.0)
+    extent = max(end - start, 1e-12)
+    lengths = sorted(s.end - s.start for s in spans if s.end > s.start)
+    count = 1
+    if lengths:
+        typical = lengths[len(lengths) // 2]
+        widest = max(_label_points(label) for label in labels.values())
+        busiest = max(len(row) for row in timeline)
+        count = min(_MAX_PANELS, math.ceil(busiest / 24),
+                    max(1, math.ceil(extent * widest / (typical * _PANEL_POINTS))))
+    step = extent / count
+    return ChartPlan([(start + i * step, start + (i + 1) * step) for i in range(count)], labels)
+
+
+def _label_points(label: str) -> float:
+    """The width a label needs, in points: digits are about 0.6 em wide, plus a margin."""
+    return 0.6 * _FONT * len(label) + 3.0
 
 
 def _op_name(op: Op) -> str:

@@ -6,70 +6,15 @@ shows the trade before any kernel runs, and lets tests hold each schedule to its
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from fpipe.schedules.actions import Action, B, F, I, Op, Program, R, W
+from fpipe.schedules.actions import Action, B, F, Program, R, W
+from fpipe.schedules.costs import Cost, Costs
+from fpipe.schedules.memory import Memory
+from fpipe.schedules.memory import peak_bytes as count_bytes
 from fpipe.schedules.validate import dependencies, execution_order, validate
 
-#: A cost for every stage, or one per stage.
-Cost = float | tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Time of each op, a number for all stages or a tuple with one per stage.
-
-    ``recompute`` defaults to ``forward``. ``transfer`` is the time to carry a result of a stage
-    (its activation, or its input-gradient) to another worker; a dependency on the same worker
-    costs nothing to reach.
-    """
-
-    forward: Cost = 1.0
-    backward: Cost = 2.0
-    backward_input: Cost = 1.0
-    backward_weight: Cost = 1.0
-    recompute: Cost | None = None
-    transfer: Cost = 0.0
-
-    def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if value is not None:
-                object.__setattr__(self, field.name, _cost(field.name, value))
-
-    def of(self, op: Op, stage: int) -> float:
-        """The time ``op`` takes on ``stage``."""
-        cost = {F: self.forward, B: self.backward, I: self.backward_input,
-                W: self.backward_weight, R: self.forward if self.recompute is None
-                else self.recompute}[op]
-        return cost[stage] if isinstance(cost, tuple) else cost
-
-    def carry(self, stage: int) -> float:
-        """The time to bring a result of ``stage`` to another worker."""
-        return self.transfer[stage] if isinstance(self.transfer, tuple) else self.transfer
-
-    def check_stages(self, n_stages: int) -> None:
-        """Raise a ValueError if a per-stage tuple does not have one entry per stage."""
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, tuple) and len(value) != n_stages:
-                raise ValueError(
-                    f"costs.{field.name} has {len(value)} entries but the program has "
-                    f"{n_stages} stages"
-                )
-
-
-def _cost(name: str, value: object) -> Cost:
-    items = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-    for item in items:
-        if (isinstance(item, bool) or not isinstance(item, (int, float))
-                or not math.isfinite(item) or item < 0):
-            raise ValueError(
-                f"costs.{name} must be a non-negative number or a tuple of them, got {value!r}"
-            )
-    floats = tuple(float(item) for item in items)
-    return floats if isinstance(value, (tuple, list)) else floats[0]
+__all__ = ["Costs", "Cost", "Span", "Breakdown", "Simulation", "simulate", "in_flight"]
 
 
 @dataclass(frozen=True)
@@ -82,8 +27,29 @@ class Span:
 
 
 @dataclass(frozen=True)
+class Breakdown:
+    """Where the workers' time went, as fractions of all of it (workers x makespan), summing to 1.
+
+    ``useful`` is the work the step needs (forwards and backwards); ``recompute`` the forwards
+    run again after their activations were dropped (work a step without remat would not do);
+    ``overhead`` the driver's time between actions (``Costs.overhead``); ``idle`` the rest,
+    waiting for inputs or for the last worker to finish.
+    """
+
+    useful: float
+    recompute: float
+    overhead: float
+    idle: float
+
+
+@dataclass(frozen=True)
 class Simulation:
     """The outcome of :func:`simulate`.
+
+    ``bubble`` is the fraction of the workers' time not spent on useful work: ``1 -
+    breakdown.useful``, so a recompute, which the step would not need without remat, counts
+    against it (GPipe with remat has a larger bubble than without, as it is slower);
+    ``breakdown`` splits it into recompute, overhead and idle time.
 
     ``peak_activations[w]`` is the most (stage, micro-batch) pairs on worker ``w`` alive at once:
     forwarded, with the backward not finished (the ``B``, or the ``W`` of a split backward, since
@@ -95,6 +61,8 @@ class Simulation:
 
     Both follow from each worker's order alone, not from the costs: a worker runs its actions
     one at a time, and the activations of a stage live on the worker that holds it.
+    ``peak_bytes`` is the same count in bytes, per worker, when :func:`simulate` was given a
+    :class:`~fpipe.schedules.Memory` (else ``None``).
     """
 
     timeline: tuple[tuple[Span, ...], ...]
@@ -102,43 +70,59 @@ class Simulation:
     bubble: float
     peak_activations: tuple[int, ...]
     peak_full_activations: tuple[int, ...]
+    breakdown: Breakdown = Breakdown(0.0, 0.0, 0.0, 0.0)
+    peak_bytes: tuple[int, ...] | None = None
 
 
-def simulate(program: Program, costs: Costs | None = None) -> Simulation:
+def simulate(program: Program, costs: Costs | None = None,
+             memory: Memory | None = None) -> Simulation:
     """Run ``program`` under ``costs`` by list scheduling.
 
-    Each worker runs its actions in order; an action starts when its worker is free and each
-    dependency has ended, plus the transfer time for a dependency that ran on another worker.
-    The program is validated first (as an inference program if it holds only forwards).
+    Each worker runs its actions in order; an action starts when its worker is free (plus
+    ``costs.overhead``) and each dependency has ended, plus the transfer time (``transfer +
+    latency``) for a dependency that ran on another worker. The program is validated first (as
+    an inference program if it holds only forwards). With ``memory`` (a
+    :class:`~fpipe.schedules.Memory`), the simulation also reports each worker's peak bytes.
     """
     costs = Costs() if costs is None else costs
     if not isinstance(costs, Costs):
         hint = f" (write Costs(**{costs!r}))" if isinstance(costs, dict) else ""
         raise TypeError(f"costs must be a Costs value, got a {type(costs).__name__}{hint}")
-    costs.check_stages(program.n_stages)
+    costs = costs.for_stages(program.n_stages)
     training = any(a.op is not F for actions in program.workers for a in actions)
     validate(program, training=training)
+    peak_bytes = None if memory is None else count_bytes(program, memory)
     present = frozenset(a for actions in program.workers for a in actions)
     placement = program.placement
     free = [0.0] * program.n_workers
+    overhead = 0.0
     spans: dict[Action, Span] = {}
     for action in execution_order(program):
         worker = placement[action.stage]
-        start = free[worker]
+        ready = free[worker] + costs.overhead
+        start = ready
         for need, _ in dependencies(action, present, program.n_stages):
-            carry = costs.carry(need.stage) if placement[need.stage] != worker else 0.0
-            start = max(start, spans[need].end + carry)
+            if placement[need.stage] != worker:
+                start = max(start, spans[need].end + costs.carry(need.stage))
+        overhead += costs.overhead
         free[worker] = start + costs.of(action.op, action.stage)
         spans[action] = Span(action, start, free[worker])
     timeline = tuple(tuple(spans[a] for a in actions) for actions in program.workers)
     makespan = max(free)
-    busy = sum(span.end - span.start for span in spans.values())
+    total = program.n_workers * makespan
+    recompute = sum(s.end - s.start for s in spans.values() if s.action.op is R)
+    useful = sum(s.end - s.start for s in spans.values()) - recompute
+    breakdown = (Breakdown(useful / total, recompute / total, overhead / total,
+                           max(0.0, 1.0 - (useful + recompute + overhead) / total))
+                 if total > 0 else Breakdown(0.0, 0.0, 0.0, 0.0))
     return Simulation(
         timeline=timeline,
         makespan=makespan,
-        bubble=1.0 - busy / (program.n_workers * makespan) if makespan > 0 else 0.0,
+        bubble=1.0 - breakdown.useful if total > 0 else 0.0,
         peak_activations=tuple(_peak_live(a, full_only=False) for a in program.workers),
         peak_full_activations=tuple(_peak_live(a, full_only=True) for a in program.workers),
+        breakdown=breakdown,
+        peak_bytes=peak_bytes,
     )
 
 

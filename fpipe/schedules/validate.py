@@ -43,6 +43,26 @@ class ScheduleError(ValueError):
         return type(self), (self.rule, self.explanation, self.action, self.worker, self.context)
 
 
+class StageCountError(ScheduleError, TypeError):
+    """A schedule cannot give a program for the stage count asked (rule ``stage-count``),
+    whatever its form: a ``Program`` for another count, a schedule value whose placement
+    cannot hold that many stages, a function returning a program for another count, or a
+    count that is not a positive integer.
+
+    It is a :class:`ScheduleError` (so a ValueError) and a TypeError, so code catching either
+    for a wrong stage count keeps working.
+    """
+
+    def __init__(self, explanation: str, *args: object, **kwargs: object) -> None:
+        if args or kwargs:  # unpickling passes ScheduleError's fields
+            super().__init__(explanation, *args, **kwargs)  # type: ignore[arg-type]
+        else:
+            super().__init__("stage-count", explanation)
+
+    def __reduce__(self):
+        return type(self), (self.explanation,)
+
+
 def dependencies(action: Action, present: Container[Action],
                  n_stages: int) -> tuple[tuple[Action, str], ...]:
     """What must finish before ``action`` can run, each with the rule that names the need.

@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from fpipe.schedules.actions import Action, F, I, Program, W, positive_int
+from fpipe.schedules.actions import (
+    Action,
+    F,
+    I,
+    Program,
+    W,
+    stage_count,
+    stage_count_error,
+)
 from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 __all__ = ["ZeroBubble", "ZeroBubbleV", "zero_bubble", "zero_bubble_v"]
@@ -43,7 +51,7 @@ class ZeroBubble:
         earlier on the same worker. The ``W`` actions follow the ``I`` actions one for one, in
         micro-batch order, but the first comes only after the (w+1)-th ``I``: the delay that
         brings every worker to K live micro-batches. The ``W`` left go last."""
-        positive_int("n_stages", n_stages)
+        stage_count(n_stages)
         workers = [self._worker(w, n_stages) for w in range(n_stages)]
         return apply_remat(Program(workers, n_stages, self.chunks), self.remat)
 
@@ -90,9 +98,9 @@ class ZeroBubbleV:
         input is there, of its second stage first, if it holds fewer than 2K pairs alive; an
         ``I`` whose gradient is there, of its first stage first; its oldest pending ``W``.
         A program that records an execution is valid by construction."""
-        positive_int("n_stages", n_stages)
+        stage_count(n_stages)
         if n_stages % 2:
-            raise ValueError(
+            raise stage_count_error(
                 f"zero_bubble_v places 2K stages on K workers in a V (worker w holds stages w "
                 f"and 2K-1-w), so it needs an even number of stages, got {n_stages}"
             )
