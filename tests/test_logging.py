@@ -44,6 +44,8 @@ def test_what_is_logged(caplog):
     messages = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "fpipe"]
     assert messages[0][0] == "INFO" and "2 workers and 4 micro-batches" in messages[0][1]
     assert [level for level, m in messages if "step took" in m] == ["DEBUG", "DEBUG"]
+    assert ("INFO", "started 1 worker threads") in messages  # the caller's thread is the other
+    assert messages[-1] == ("INFO", "stopped 1 worker threads")
 
 
 def test_a_failed_step_is_logged(caplog):

@@ -127,3 +127,6 @@ def test_a_step_under_the_profiler():
     assert torch.equal(plain, profiled)
     names = {event.name for event in prof.events()}
     assert {"aten::tanh", "aten::sigmoid"} <= names
+    # Every action of the program, on whichever worker ran it, is a span named like it.
+    program = pipe.program
+    assert {str(action) for worker in program.workers for action in worker} <= names

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from fpipe._runtime.log import logger
 from fpipe.errors import OversubscriptionWarning
 
 __all__ = ["Aborted", "Inbox", "WorkerPool", "cores", "warn_if_oversubscribed"]
@@ -108,6 +109,7 @@ class WorkerPool:
             self._jobs.append(jobs)
             self._threads.append(thread)
         self._finalizer = weakref.finalize(self, _stop, self._jobs, self._threads)
+        logger.info("started %d worker threads", self.n - 1)
 
     def run(self, jobs: list[Callable[[], None]], on_interrupt: Callable[[], None],
             inline: int = 0) -> None:
@@ -143,6 +145,7 @@ class WorkerPool:
         """Stop the threads; the pool starts new ones if it is used again."""
         if self._finalizer is not None:
             self._finalizer()
+            logger.info("stopped %d worker threads", len(self._threads))
         self._jobs, self._threads, self._finalizer = [], [], None
 
 
