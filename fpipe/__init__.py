@@ -26,8 +26,10 @@ from fpipe.schedules import (
     Op,
     Program,
     ScheduleError,
+    dual_pipe_v,
     gpipe,
     interleaved_one_f_one_b,
+    interleaved_zero_bubble,
     looped_bfs,
     one_f_one_b,
     validate,
@@ -43,7 +45,8 @@ logging.getLogger("fpipe").addHandler(logging.NullHandler())
 
 __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",
-    "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v", "Program",
+    "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v",
+    "interleaved_zero_bubble", "dual_pipe_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
     "NonFiniteLossError", "OversubscriptionWarning", "amp", "optim", "saving", "Recorder",
 ]

@@ -11,7 +11,7 @@ from schedule_strategies import remat_policies, schedule_cases
 
 import fpipe.schedules
 from fpipe.schedules import (
-    GPipe,
+    GPipeSchedule,
     OneFOneB,
     Op,
     Program,
@@ -41,7 +41,7 @@ def selected(policy, n_stages, n_microbatches):
 
 
 def test_schedules_are_hashable_values():
-    assert gpipe(8) == gpipe(chunks=8) == GPipe(8, "except_last")
+    assert gpipe(8) == gpipe(chunks=8) == GPipeSchedule(8, "except_last")
     assert hash(gpipe(8)) == hash(gpipe(chunks=8))
     assert one_f_one_b(4) == OneFOneB(4, "never") != gpipe(4, "never")
     assert gpipe(4, {2, 0}) == gpipe(4, [0, 2, 2]) == gpipe(4, frozenset({0, 2}))
@@ -131,7 +131,7 @@ def test_constructed_programs_obey_the_contract(case):
 def test_in_flight_bounds(case):
     schedule, n_stages = case
     flight = in_flight(schedule.program(n_stages))
-    if isinstance(schedule, GPipe):
+    if isinstance(schedule, GPipeSchedule):
         assert flight == (schedule.chunks,) * n_stages
     else:
         assert flight == tuple(min(n_stages - k, schedule.chunks) for k in range(n_stages))

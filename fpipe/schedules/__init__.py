@@ -15,7 +15,7 @@ from fpipe.schedules.builder import ListScheduled, backward_first, forward_first
 from fpipe.schedules.colocate import colocate
 from fpipe.schedules.csv_format import from_csv, to_csv
 from fpipe.schedules.dualpipe import DualPipeV, dual_pipe_v
-from fpipe.schedules.gpipe import GPipe, gpipe
+from fpipe.schedules.gpipe import GPipeSchedule, gpipe
 from fpipe.schedules.interleaved import (
     InterleavedOneFOneB,
     InterleavedZeroBubble,
@@ -35,7 +35,7 @@ from fpipe.schedules.validate import ScheduleError, StageCountError, validate
 from fpipe.schedules.zero_bubble import ZeroBubble, ZeroBubbleV, zero_bubble, zero_bubble_v
 
 __all__ = [
-    "Action", "Op", "Program", "ScheduleError", "validate", "gpipe", "one_f_one_b", "GPipe",
+    "Action", "Op", "Program", "ScheduleError", "validate", "gpipe", "one_f_one_b", "GPipeSchedule",
     "OneFOneB", "Costs", "simulate", "Simulation", "Span", "apply_remat", "normalize_remat",
     "in_flight", "colocate", "program_of", "to_csv", "from_csv", "render", "draw", "listing",
     "chrome_trace", "write_chrome_trace", "interleaved_one_f_one_b", "looped_bfs",

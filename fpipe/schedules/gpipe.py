@@ -14,8 +14,9 @@ from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
 
 
 @dataclass(frozen=True)
-class GPipe:
-    """The GPipe schedule over ``chunks`` micro-batches; a hashable value."""
+class GPipeSchedule:
+    """The GPipe schedule over ``chunks`` micro-batches; a hashable value. (Named apart from
+    ``fpipe.GPipe``, the torchgpipe-style module face, which runs this schedule.)"""
 
     chunks: int
     remat: RematPolicy = "except_last"
@@ -38,6 +39,6 @@ class GPipe:
         return apply_remat(Program(workers, n_stages, self.chunks), self.remat)
 
 
-def gpipe(chunks: int, remat: object = "except_last") -> GPipe:
+def gpipe(chunks: int, remat: object = "except_last") -> GPipeSchedule:
     """The GPipe schedule; ``remat`` is a policy accepted by :func:`normalize_remat`."""
-    return GPipe(chunks, remat)  # type: ignore[arg-type]
+    return GPipeSchedule(chunks, remat)  # type: ignore[arg-type]
