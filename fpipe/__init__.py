@@ -12,7 +12,7 @@ from fpipe import amp, checkpoint, optim
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError, StageError
 from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
-from fpipe.recompute import is_recomputing
+from fpipe.recompute import is_checkpointing, is_recomputing
 from fpipe.schedules import (
     Action,
     Op,
@@ -31,7 +31,7 @@ from fpipe.timeline import Recorder
 __version__ = "0.1.0"
 
 __all__ = [
-    "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",
+    "pipeline", "Pipeline", "GPipe", "is_recomputing", "is_checkpointing", "gpipe", "one_f_one_b",
     "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
     "NonFiniteLossError", "amp", "checkpoint", "optim", "Recorder",

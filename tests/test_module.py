@@ -66,7 +66,7 @@ def test_grads_accumulate_over_two_backwards():
         torch.testing.assert_close(q.grad, p.grad)
 
 
-def test_eval_runs_forward_only_without_recompute():
+def test_eval_recomputes_nothing_and_keeps_a_graph_only_under_grad():
     recomputes = []
 
     class Watch(nn.Module):
@@ -81,11 +81,13 @@ def test_eval_runs_forward_only_without_recompute():
     assert recomputes.count(True) == 2  # training: both micro-batches recomputed
     recomputes.clear()
     piped.eval()
-    y = piped(x)
-    assert recomputes == [False, False] and not y.requires_grad
+    y = piped(x)  # as torchgpipe: eval under grad keeps a graph, without checkpoints
+    y.sum().backward()
+    assert recomputes == [False, False] and y.requires_grad
     with torch.no_grad():
+        assert not piped(x).requires_grad
         piped.train()(x)
-    assert recomputes == [False] * 4
+    assert recomputes == [False] * 6
 
 
 def test_batchnorm_statistics_follow_the_module():
@@ -128,7 +130,7 @@ def test_attributes_and_refusals():
         fpipe.GPipe(model(), [5], checkpoint="sometimes")
     with pytest.raises(ValueError, match="chunks must be a positive integer"):
         fpipe.GPipe(model(), [5], chunks=0)
-    with pytest.raises(ValueError, match="2 partitions but only 1 devices"):
+    with pytest.raises(IndexError, match="too few devices for 2 partitions: got 1"):
         fpipe.GPipe(model(), [2, 3], devices=["cpu"])
 
 
