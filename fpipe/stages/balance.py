@@ -20,6 +20,8 @@ import optree
 import torch
 from torch import nn
 
+from fpipe.stages.module_skip import tracking
+
 __all__ = ["partition", "balance_by_time", "balance_by_size"]
 
 
@@ -185,12 +187,29 @@ def _profile(module: nn.Sequential, sample: Any, partitions: int,
     model = copy.deepcopy(module).to(device)
     x = _to(sample, device)
     costs = []
-    for layer in model:
-        # Each layer starts its own graph, so its backward is measured alone.
-        x = optree.tree_map(_leaf_input, x)
-        cost, x = measure(layer, x, device)
-        costs.append(float(cost))
+    with tracking({}) as skips:  # torchgpipe-style skippable layers stash and pop through it
+        for layer in model:
+            # Each layer starts its own graph, so its backward is measured alone.
+            x = optree.tree_map(_leaf_input, x)
+            cost, x = measure(_Replayed(layer, skips), x, device)
+            costs.append(float(cost))
     return costs
+
+
+class _Replayed:
+    """A layer whose every run finds the skips stashed before it, each run anew (a pop takes a
+    skip away), as leaves of their own graphs."""
+
+    def __init__(self, layer: nn.Module, skips: Any) -> None:
+        self.layer, self.skips, self.stashed = layer, skips, dict(skips.values)
+
+    def __call__(self, x: Any) -> Any:
+        self.skips.values = {key: optree.tree_map(_leaf_input, value)
+                             for key, value in self.stashed.items()}
+        return self.layer(x)
+
+    def parameters(self) -> Any:
+        return self.layer.parameters()
 
 
 def _leaf_input(leaf: Any) -> Any:

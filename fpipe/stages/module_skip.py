@@ -88,7 +88,7 @@ def _current() -> _Tracker:
 
 
 @contextlib.contextmanager
-def _tracking(values: dict[Key, Any]) -> Iterator[_Tracker]:
+def tracking(values: dict[Key, Any]) -> Iterator[_Tracker]:
     """A fresh tracker holding ``values`` for the calls inside (one stage call)."""
     outer = getattr(_local, "tracker", None)
     _local.tracker = tracker = _Tracker(values)
@@ -270,7 +270,7 @@ class _Routed:
         popped: dict[str, Any] = {}
         if self.pops:
             *args, popped = args  # type: ignore[assignment]
-        with _tracking({key: popped[name] for name, key in self.pops.items()}) as tracker:
+        with tracking({key: popped[name] for name, key in self.pops.items()}) as tracker:
             out = self.stage(params, *args)
         if not self.stashes:
             return out
