@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,3 +299,14 @@ def test_constructor_arguments_as_torchgpipe_takes_them():
         fpipe.GPipe(nn.Sequential(layer, layer), [1, 1])
     with pytest.raises(TypeError, match="moving the whole module is refused"):
         fpipe.GPipe(model(), [5]).to(0)  # before torch would look for CUDA
+
+
+def test_the_readme_torchgpipe_section_runs():
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = re.search(r"\n## The torchgpipe face.*?\n(.*?)\n## ", text, re.S).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks
+    namespace: dict = {}
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), namespace)
+    assert all(p.grad is not None for p in namespace["model"].parameters())

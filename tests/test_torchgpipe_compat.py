@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from torchgpipe import balance as tg_balance  # noqa: E402
 from torchgpipe import skip as tg_skip  # noqa: E402
 from torchgpipe.batchnorm import DeferredBatchNorm as TgDeferredBatchNorm  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 FACES = {"torchgpipe": torchgpipe.GPipe, "fpipe": fpipe.GPipe}
 CLOSE = {"rtol": 1e-9, "atol": 1e-10}
 
@@ -720,15 +718,3 @@ def test_checkpointing_and_recomputing_are_true_where_torchgpipes_are(checkpoint
                     calls.append(("backward",))
     assert seen["fpipe"] == seen["torchgpipe"]
     assert not any(lib.is_checkpointing() or lib.is_recomputing() for lib in (fpipe, torchgpipe))
-
-
-# -- README ---------------------------------------------------------------------------------
-
-def test_the_readme_torchgpipe_section_runs():
-    text = (ROOT / "README.md").read_text()
-    section = re.search(r"\n## The torchgpipe face.*?\n(.*?)\n## ", text, re.S).group(1)
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert blocks
-    namespace: dict = {}
-    for code in blocks:
-        exec(compile(code, "README.md", "exec"), namespace)
