@@ -82,15 +82,14 @@ class GPipe(nn.Module):
         remat = remat_of(self.checkpoint, self.chunks, m) if self.training else "never"
         pipe = self._pipeline(m, remat, params, state)
 
-        def call(inputs: tuple) -> tuple[Any, Any]:
-            y, vjp_fn, new_state = pipe.vjp(inputs if call.tuple_input else inputs[0],
-                                            params=params, state=state)
+        def run(input: Any) -> tuple[Any, Any]:
+            y, vjp_fn, new_state = pipe.vjp(input, params=params, state=state)
             self._commit(new_state)
             return y, vjp_fn
 
-        call.tuple_input = isinstance(input, tuple)  # type: ignore[attr-defined]
-        inputs = input if call.tuple_input else (input,)  # type: ignore[attr-defined]
-        return Run.apply(call, len(inputs), *inputs, *optree.tree_leaves(params))
+        inputs = input if isinstance(input, tuple) else (input,)
+        return Run.apply(run, isinstance(input, tuple), len(inputs), *inputs,
+                         *optree.tree_leaves(params))
 
     def __len__(self) -> int:
         return sum(self.balance)

@@ -121,17 +121,18 @@ class Pipelines:
 
 
 class Run(torch.autograd.Function):
-    """The pipeline as one autograd node, over the input's tensors and every parameter.
+    """The pipeline as one autograd node, over the input's tensors and every parameter:
+    ``Run.apply(run, tuple_input, n_inputs, *input_tensors, *param_leaves)``.
 
-    ``call(inputs) -> (y, vjp_fn)`` runs the forwards; ``vjp_fn(cotangent)`` returns the
-    parameters' gradients (a pytree whose leaves follow the parameter tensors given) and the
-    input's, shaped like the input."""
+    ``run(input) -> (y, vjp_fn)`` runs the forwards; ``vjp_fn(cotangent)`` returns the
+    parameters' gradients (a pytree whose leaves follow ``param_leaves``) and the input's,
+    shaped like the input."""
 
     @staticmethod
-    def forward(ctx: Any, call: Callable, n_inputs: int, *tensors: torch.Tensor) -> Any:
-        y, ctx.vjp_fn = call(tensors[:n_inputs])
-        ctx.tuple_input = call.tuple_input  # type: ignore[attr-defined]
-        ctx.tuple_output = isinstance(y, tuple)
+    def forward(ctx: Any, run: Callable, tuple_input: bool, n_inputs: int,
+                *tensors: torch.Tensor) -> Any:
+        y, ctx.vjp_fn = run(tensors[:n_inputs] if tuple_input else tensors[0])
+        ctx.tuple_input, ctx.tuple_output = tuple_input, isinstance(y, tuple)
         outputs = y if ctx.tuple_output else (y,)
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
         return y
@@ -141,7 +142,7 @@ class Run(torch.autograd.Function):
         param_grads, input_grads = ctx.vjp_fn(tuple(grads) if ctx.tuple_output else grads[0])
         del ctx.vjp_fn
         input_grads = list(input_grads) if ctx.tuple_input else [input_grads]
-        return (None, None, *input_grads, *optree.tree_leaves(param_grads))
+        return (None, None, None, *input_grads, *optree.tree_leaves(param_grads))
 
 
 def _kind(value: Any) -> str:
