@@ -189,3 +189,21 @@ def test_a_layer_stashing_and_popping_one_name():
         verify_skippables(nn.Sequential(Both()))
     with pytest.raises(fpipe.stages.SkipError, match="stash names a skip twice"):
         skippable(stash=["a", "a"])(Both.module_cls)
+
+
+def test_a_stashed_none_crosses_stages():
+    @skippable(stash=["maybe"])
+    class Maybe(nn.Module):
+        def forward(self, x):
+            yield stash("maybe", None)
+            return x * 2
+
+    @skippable(pop=["maybe"])
+    class Use(nn.Module):
+        def forward(self, x):
+            maybe = yield pop("maybe")
+            assert maybe is None
+            return x + 1
+
+    model = fpipe.GPipe(nn.Sequential(Maybe(), nn.Linear(2, 2), Use()), [1, 2], chunks=2)
+    torch.testing.assert_close(model(torch.ones(4, 2)), model[1](torch.ones(4, 2) * 2) + 1)

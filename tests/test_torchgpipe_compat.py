@@ -616,6 +616,31 @@ def test_a_torchgpipe_unet_trains_unchanged(balance, checkpoint):
     assert_same(*(m(x).detach() for m in plain.values()))
 
 
+def maybe_skip(skip):
+    """Layers that stash None (torchgpipe allows it) and pop it, with ``skip`` either library's."""
+    @skip.skippable(stash=["maybe"])
+    class Maybe(nn.Module):
+        def forward(self, x):
+            yield skip.stash("maybe", None)
+            return x * 2
+
+    @skip.skippable(pop=["maybe"])
+    class Use(nn.Module):
+        def forward(self, x):
+            maybe = yield skip.pop("maybe")
+            return x if maybe is None else x + maybe
+
+    torch.manual_seed(0)
+    return nn.Sequential(Maybe(), nn.Linear(2, 2), Use()).double()
+
+
+def test_a_stashed_none_reaches_its_pop():
+    x = torch.ones(4, 2, dtype=torch.float64)
+    models = [torchgpipe.GPipe(maybe_skip(tg_skip), [1, 2], devices=["cpu"] * 2, chunks=2),
+              fpipe.GPipe(maybe_skip(fpipe.stages), [1, 2], chunks=2)]
+    assert_same(*(step(model, x) for model in models))
+
+
 def layer_classes(skip):
     @skip.skippable(stash=["a"])
     class Stash(nn.Module):

@@ -19,6 +19,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from functools import total_ordering
 from typing import Any, ClassVar
 
+import optree
+import torch
 from torch import nn
 
 from fpipe.stages.skip import Skippable, _names
@@ -270,15 +272,30 @@ class _Routed:
         popped: dict[str, Any] = {}
         if self.pops:
             *args, popped = args  # type: ignore[assignment]
-        with tracking({key: popped[name] for name, key in self.pops.items()}) as tracker:
+        with tracking({key: _unwrap(popped[name]) for name, key in self.pops.items()}) as tracker:
             out = self.stage(params, *args)
         if not self.stashes:
             return out
-        stashed = {name: tracker.values.pop(key) for name, key in self.stashes.items()}
-        if self.stateful:
-            y, state = out
-            return (y, stashed), state
-        return out, stashed
+        y = out[0] if self.stateful else out
+        stashed = {name: _wrap(tracker.values.pop(key), y) for name, key in self.stashes.items()}
+        return ((y, stashed), out[1]) if self.stateful else (y, stashed)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.stage!r})"
+
+
+_NONE = "fpipe: a stashed None"
+
+
+def _wrap(value: Any, y: Any) -> Any:
+    """A stashed ``None`` (torchgpipe allows it) as what fpipe routes: an empty tensor with the
+    output's micro-batch size, on its device."""
+    if value is not None:
+        return value
+    like = next((t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.dim()),
+                None)
+    return value if like is None else {_NONE: like.new_empty((like.shape[0], 0))}
+
+
+def _unwrap(value: Any) -> Any:
+    return None if isinstance(value, dict) and list(value) == [_NONE] else value
