@@ -17,8 +17,15 @@ import torch
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
 from fpipe._runtime.driver import LocalDriver
-from fpipe._runtime.engine import check_options, nonfinite_error
+from fpipe._runtime.engine import (
+    check_options,
+    check_stages,
+    nonfinite_error,
+    returned_loss,
+)
+from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.trees import tree_map
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import program_of
 from fpipe.timeline import Recorder
@@ -94,10 +101,7 @@ class Pipeline:
             raise ValueError(f"got {len(stages)} stages but {len(params)} parameter pytrees: "
                              f"give one pytree per stage (an empty dict for a stage without "
                              f"parameters)")
-        for s, stage in enumerate(stages):
-            if not callable(stage):
-                raise TypeError(f"stage {s} is a {type(stage).__name__}, not a callable "
-                                f"stage(params, x) -> y")
+        check_stages(stages)
         if devices is not None and len(devices) != len(stages):
             raise ValueError(f"got {len(stages)} stages but {len(devices)} devices")
         if state is not None and len(state) != len(stages):
@@ -127,6 +131,9 @@ class Pipeline:
                                    grad_dtype=grad_dtype, autodiff=autodiff)
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
+        self._times = StepTimes()
+        logger.info("%r: a program of %d workers and %d micro-batches", self,
+                    program.n_workers, program.n_microbatches)
 
     @property
     def chunks(self) -> int:
@@ -143,8 +150,9 @@ class Pipeline:
         a stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the
         step's timeline."""
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
-        outputs, new_state = self._driver.infer(self.inference_program, leaves, states, inputs,
-                                                sizes, record)
+        with self._times.step("forward step"):
+            outputs, new_state = self._driver.infer(self.inference_program, leaves, states,
+                                                    inputs, sizes, record)
         y = microbatch.join(outputs)
         return (y, new_state) if self.stateful else y
 
@@ -166,13 +174,14 @@ class Pipeline:
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(self._to(target, self.devices[-1]), self.chunks, "target")
-        result = self._driver.train(self.program, leaves, states, inputs, targets,
-                                    [size / n for size in sizes], sizes, record)
+        with self._times.step("training step"):
+            result = self._driver.train(self.program, leaves, states, inputs, targets,
+                                        [size / n for size in sizes], sizes, record)
         losses = torch.stack(result.losses)
         error = nonfinite_error(losses) if self.nonfinite == "raise" else None
         if error is not None:
             raise error
-        loss = losses.sum()
+        loss = returned_loss(losses.sum())
         grads = self._grad_trees(result.grads)
         return (loss, grads, result.state) if self.stateful else (loss, grads)
 
@@ -273,9 +282,8 @@ class Pipeline:
         # stream, which the step's streams wait for. A copy to the CPU must be complete when
         # the CPU stage (or the caller) reads it.
         non_blocking = device.type == "cuda"
-        return optree.tree_map(
-            lambda leaf: leaf.to(device, non_blocking=non_blocking)
-            if isinstance(leaf, torch.Tensor) else leaf, tree)
+        return tree_map(lambda leaf: leaf.to(device, non_blocking=non_blocking)
+                        if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
 def _output_cotangent(out: Any, piece: Any, microbatch: int) -> list:
