@@ -259,6 +259,8 @@ def test_tuples_in_and_out_and_batches_torch_chunk_cuts_short():
         torch.testing.assert_close(q.grad, p.grad)
     with pytest.raises(TypeError, match="GPipe takes a tensor or a tuple of tensors, got a list"):
         piped([h])
+    with pytest.raises(TypeError, match="tuple of tensors, got an empty tuple"):
+        piped(())
     with pytest.raises(TypeError, match="partition 0 returned a list: a partition's output"):
         fpipe.GPipe(nn.Sequential(Returns(list), nn.Identity()), [1, 1])(h)
 

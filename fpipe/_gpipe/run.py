@@ -35,10 +35,8 @@ __all__: list[str] = []
 def check_input(input: Any) -> None:
     """A tensor or a tuple of tensors, as torchgpipe takes (a ``TypeError`` otherwise)."""
     values = input if isinstance(input, tuple) else (input,)
-    for value in values:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"GPipe takes a tensor or a tuple of tensors, got "
-                            f"{_kind(input)}")
+    if not values or not all(isinstance(value, torch.Tensor) for value in values):
+        raise TypeError(f"GPipe takes a tensor or a tuple of tensors, got {_kind(input)}")
 
 
 def microbatches(input: Any, chunks: int) -> int:
@@ -147,5 +145,6 @@ class Run(torch.autograd.Function):
 
 def _kind(value: Any) -> str:
     if isinstance(value, tuple):
-        return f"a tuple of ({', '.join(type(v).__name__ for v in value)})"
+        return f"a tuple of ({', '.join(type(v).__name__ for v in value)})" if value else \
+            "an empty tuple"
     return f"a {type(value).__name__}"
