@@ -39,7 +39,7 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
              state: Sequence[Any] | None = None, nonfinite: str = "raise",
-             grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> Pipeline:
+             grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -64,10 +64,15 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             returns the loss as it is, for callers that check it themselves (loss scaling).
         grad_dtype: the dtype gradients are accumulated and returned in, e.g. ``torch.float32``
             for ``bfloat16`` parameters (see :mod:`fpipe.amp`); by default the parameters'.
-        autodiff: how each stage's vjp is taken: ``"func"`` (the default), with
-            ``torch.func.vjp``, or ``"autograd"``, the same vjp through ``torch.autograd``,
-            which skips functorch's per-op wrapping and so halves the driver's cost per action
-            on small stages (``benchmarks/dispatch_overhead.py``). Gradients are the same.
+        autodiff: how each stage's vjp is taken: ``"autograd"`` (the default), through
+            ``torch.autograd`` on detached inputs, which works with everything a stage may use
+            (``torch.utils.checkpoint``, Hugging Face gradient checkpointing, functions made
+            by ``torch.compile``, which it runs compiled) and costs the least per action; or
+            ``"func"``, with ``torch.func.vjp``, the engine of fpipe 0.1's default: the same
+            gradients (``tests/test_pipeline.py`` compares them), but saved-tensor hooks
+            (``torch.utils.checkpoint``) fail under it and a compiled function it meets runs
+            uncompiled. Choose it only to compare, or for code that needs functorch's
+            transform levels around the stage's own operations.
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
                     state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff)
@@ -93,7 +98,7 @@ class Pipeline:
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
                  state: Sequence[Any] | None = None, nonfinite: str = "raise",
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")

@@ -112,3 +112,38 @@ def test_a_model_output_crosses_a_stage_boundary():
     for part, part_grads in zip(leaves, grads):
         for name, value in part.items():
             torch.testing.assert_close(part_grads[name], value.grad)
+
+
+def test_hf_gradient_checkpointing_inside_a_stage():
+    """``gradient_checkpointing_enable()`` on an HF model called in a stage: the default
+    autodiff differentiates through its checkpoints; gradients equal the model's own."""
+    from torch.func import functional_call
+
+    body = tiny_gpt2()
+    body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    body.train()
+
+    def encoder(p, ids):
+        return functional_call(body, p, (ids,), {"use_cache": False}).last_hidden_state
+
+    def head(p, h):
+        return h @ p["w"]
+
+    params = [{k: v.detach() for k, v in body.named_parameters()},
+              {"w": torch.randn(16, 3, dtype=torch.float64)}]
+    ids, target = torch.randint(0, 50, (6, 5)), torch.randn(6, 5, 3, dtype=torch.float64)
+
+    def mse(y, t):
+        return ((y - t) ** 2).mean()
+
+    with fpipe.pipeline([encoder, head], params, schedule=gpipe(chunks=3, remat="never"),
+                        loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(ids, target)
+    body.zero_grad()
+    w = params[1]["w"].clone().requires_grad_(True)
+    expected = mse(body(ids, use_cache=False).last_hidden_state @ w, target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for name, value in body.named_parameters():
+        torch.testing.assert_close(grads[0][name], value.grad)
+    torch.testing.assert_close(grads[1]["w"], w.grad)

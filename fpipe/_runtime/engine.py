@@ -67,29 +67,21 @@ def nonfinite_error(losses: torch.Tensor) -> NonFiniteLossError | None:
         f"nonfinite='ignore' to handle this yourself", bad)
 
 
-class _GradientsAreReturned(torch.autograd.Function):
-    """The identity, whose backward explains that there is nothing to differentiate here."""
+class ReturnedLoss(torch.Tensor):
+    """The loss a step returns: a plain tensor (no graph, ``.numpy()`` works) whose
+    ``backward()`` says that the gradients were returned with it, instead of torch's "does not
+    require grad". Tensors computed from it are of this type too, and say the same."""
 
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> None:
+    def backward(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
-            "loss.backward() on a loss fpipe returned: the pipeline has already computed the "
+            "backward() on a loss fpipe returned: the pipeline has already computed the "
             "gradients and returned them (loss, grads = pipe.value_and_grad(x, target)); "
             "nothing is stored in .grad. Bind them to your tensors for a torch.optim "
             "optimiser with fpipe.optim.bind_grads(params, grads)")
 
-
-def returned_loss(loss: torch.Tensor) -> torch.Tensor:
-    """The loss a step returns: its value, and a ``backward()`` that says the gradients were
-    returned rather than raising torch's "does not require grad" (outside ``no_grad``)."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return loss
-    # The anchor, a leaf that requires grad, gives the result a grad_fn; it is never written.
-    return _GradientsAreReturned.apply(loss, _ANCHOR)
+    def __repr__(self, **kwargs: Any) -> str:
+        return repr(self.as_subclass(torch.Tensor))
 
 
-_ANCHOR = torch.empty(0, requires_grad=True)
+def returned_loss(loss: torch.Tensor) -> ReturnedLoss:
+    return loss.as_subclass(ReturnedLoss)

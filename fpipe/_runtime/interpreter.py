@@ -33,7 +33,7 @@ class Interpreter:
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
                  devices: Sequence[torch.device], loss_fn: Callable | None,
                  transport: Transport, stateful: bool = False,
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "func",
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
                  concurrent: bool = True) -> None:
         if autodiff not in ENGINES:
             raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
