@@ -20,7 +20,7 @@ from fpipe.errors import (
 )
 from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
-from fpipe.recompute import is_recomputing
+from fpipe.recompute import is_checkpointing, is_recomputing
 from fpipe.schedules import (
     Action,
     Op,
@@ -44,7 +44,7 @@ __version__ = "0.1.0"
 logging.getLogger("fpipe").addHandler(logging.NullHandler())
 
 __all__ = [
-    "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",
+    "pipeline", "Pipeline", "GPipe", "is_recomputing", "is_checkpointing", "gpipe", "one_f_one_b",
     "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v",
     "interleaved_zero_bubble", "dual_pipe_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",

@@ -152,6 +152,21 @@ MUTANTS = (
            "range(k - 1 - w):  # 5",
            "            self.add(second, F)\n        for _ in range(k - 1 - w):  # 5",
            ("tests/test_built_schedules.py",)),
+    # -- the torchgpipe face ----------------------------------------------------------------
+    Mutant("a failed step's other workers run on", "_runtime/interpreter.py",
+           "if step.error is not None:  # another worker failed: start nothing more",
+           "if False:", ("tests/test_module.py",)),
+    Mutant("forwards of one device's partitions stage by stage", "_gpipe/run.py",
+           "key=lambda p: (p[0] + p[1], p[0]))", "key=lambda p: (p[0], p[1]))",
+           ("tests/test_module.py",)),
+    Mutant("dropped forwards not marked checkpointing", "_runtime/instructions.py",
+           "checkpointing() if dropped else _NOTHING", "_NOTHING", ("tests/test_module.py",)),
+    Mutant("fewer micro-batches than chunks checkpointed as the last", "_gpipe/run.py",
+           'if checkpoint == "except_last" and microbatches < chunks:', "if False:",
+           ("tests/test_module.py",)),
+    Mutant("a torchgpipe-style skip across stages kept inside its stage", "stages/module_skip.py",
+           "                if i != j:  # popped where it was not stashed: fpipe carries it",
+           "                if False:", ("tests/test_module_skips.py",)),
 )
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,7 +69,7 @@ def test_grads_accumulate_over_two_backwards():
         torch.testing.assert_close(q.grad, p.grad)
 
 
-def test_eval_runs_forward_only_without_recompute():
+def test_eval_recomputes_nothing_and_keeps_a_graph_only_under_grad():
     recomputes = []
 
     class Watch(nn.Module):
@@ -81,11 +84,13 @@ def test_eval_runs_forward_only_without_recompute():
     assert recomputes.count(True) == 2  # training: both micro-batches recomputed
     recomputes.clear()
     piped.eval()
-    y = piped(x)
-    assert recomputes == [False, False] and not y.requires_grad
+    y = piped(x)  # as torchgpipe: eval under grad keeps a graph, without checkpoints
+    y.sum().backward()
+    assert recomputes == [False, False] and y.requires_grad
     with torch.no_grad():
+        assert not piped(x).requires_grad
         piped.train()(x)
-    assert recomputes == [False] * 4
+    assert recomputes == [False] * 6
 
 
 def test_batchnorm_statistics_follow_the_module():
@@ -128,7 +133,7 @@ def test_attributes_and_refusals():
         fpipe.GPipe(model(), [5], checkpoint="sometimes")
     with pytest.raises(ValueError, match="chunks must be a positive integer"):
         fpipe.GPipe(model(), [5], chunks=0)
-    with pytest.raises(ValueError, match="2 partitions but only 1 devices"):
+    with pytest.raises(IndexError, match="too few devices for 2 partitions: got 1"):
         fpipe.GPipe(model(), [2, 3], devices=["cpu"])
 
 
@@ -146,3 +151,164 @@ def test_dropout_is_reproduced_by_the_recompute():
     for a, b in zip(never, always):
         assert torch.equal(a, b)
     assert not torch.equal(never[0], grads_with("never", seed=2)[0])  # dropout is active
+
+
+class Boom(Exception):
+    pass
+
+
+class Counter(nn.Module):
+    def __init__(self, seen, fail=False, sleep=0.0):
+        super().__init__()
+        self.seen, self.fail, self.sleep = seen, fail, sleep
+
+    def forward(self, x):
+        time.sleep(self.sleep)
+        self.seen.append(x.shape[0])
+        if self.fail:
+            raise Boom("failed")
+        return x
+
+
+def test_partitions_on_one_device_stop_where_torchgpipe_stops():
+    """Forwards in torchgpipe's clock order: the counter before the failing partition has run
+    two micro-batches when the third partition fails on the first, and runs no more."""
+    seen, failed = [], []
+    model = fpipe.GPipe(nn.Sequential(nn.Identity(), Counter(seen), Counter(failed, fail=True)),
+                        [1, 1, 1], chunks=3)
+    with pytest.raises(Boom):
+        model(torch.rand(3, 1))
+    assert seen == [1, 1] and failed == [1]
+
+
+def test_workers_start_nothing_once_a_step_failed():
+    """On several workers (devices), a failure stops the others at their next action."""
+    seen = []
+    stages = [lambda p, x: Counter(seen, sleep=0.05)(x),
+              lambda p, x: Counter([], fail=True)(x)]
+    with fpipe.pipeline(stages, [{}, {}], schedule=fpipe.gpipe(chunks=6)) as pipe:
+        with pytest.raises(Boom):
+            pipe(torch.rand(6, 1))
+    assert len(seen) <= 3
+
+
+def flags(checkpoint, batch, training=True, grad=True, chunks=2):
+    """(micro-batch size, is_checkpointing, is_recomputing) at each call of a layer, forwards
+    then backward."""
+    calls = []
+
+    class Watch(nn.Module):
+        def forward(self, x):
+            calls.append((x.shape[0], fpipe.is_checkpointing(), fpipe.is_recomputing()))
+            return x
+
+    model = fpipe.GPipe(nn.Sequential(nn.Linear(2, 2), Watch()), [1, 1], chunks=chunks,
+                        checkpoint=checkpoint).train(training)
+    with torch.set_grad_enabled(grad):
+        y = model(torch.randn(batch, 2))
+    if y.requires_grad:
+        y.sum().backward()
+    return calls
+
+
+@pytest.mark.parametrize("checkpoint, batch, training, grad, expected", [
+    ("always", 4, True, True, [(2, True, False)] * 2 + [(2, False, True)] * 2),
+    ("except_last", 4, True, True, [(2, True, False), (2, False, False), (2, False, True)]),
+    ("never", 4, True, True, [(2, False, False)] * 2),
+    ("except_last", 4, True, False, [(2, True, False), (2, False, False)]),  # no backward
+    ("always", 4, False, True, [(2, False, False)] * 2),  # eval: no checkpoints
+    ("always", 4, False, False, [(2, False, False)] * 2),
+    # One micro-batch of a batch smaller than chunks: torchgpipe checkpoints it.
+    ("except_last", 1, True, True, [(1, True, False), (1, False, True)]),
+    ("except_last", 5, True, True, [(3, True, False), (2, False, False), (3, False, True)]),
+])
+def test_checkpointing_and_recomputing_flags(checkpoint, batch, training, grad, expected):
+    assert flags(checkpoint, batch, training, grad) == expected
+    assert not fpipe.is_checkpointing() and not fpipe.is_recomputing()
+
+
+def test_tuples_in_and_out_and_batches_torch_chunk_cuts_short():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+
+        def forward(self, pair):
+            h, ids = pair
+            return torch.tanh(self.linear(h)) + ids[:, None], ids
+
+    class First(nn.Module):
+        def forward(self, pair):
+            return (pair[0] * 2,)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(Pair(), Pair(), First()).double()
+
+    plain, piped = build(), fpipe.GPipe(build(), [1, 2], chunks=4)
+    for n in (8, 3, 6):  # 3 and 6 samples in 4 chunks: 3 micro-batches, as torch.chunk cuts
+        h, ids = torch.randn(n, 3, dtype=torch.float64), torch.arange(n)
+        x, x_plain = h.clone().requires_grad_(), h.clone().requires_grad_()
+        y, y_plain = piped((x, ids)), plain((x_plain, ids))
+        assert isinstance(y, tuple) and len(y) == 1
+        torch.testing.assert_close(y[0], y_plain[0])
+        y[0].sum().backward()
+        y_plain[0].sum().backward()
+        torch.testing.assert_close(x.grad, x_plain.grad)
+    for p, q in zip(plain.parameters(), piped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    with pytest.raises(TypeError, match="GPipe takes a tensor or a tuple of tensors, got a list"):
+        piped([h])
+    with pytest.raises(TypeError, match="tuple of tensors, got an empty tuple"):
+        piped(())
+    with pytest.raises(TypeError, match="partition 0 returned a list: a partition's output"):
+        fpipe.GPipe(nn.Sequential(Returns(list), nn.Identity()), [1, 1])(h)
+
+
+class Returns(nn.Module):
+    def __init__(self, wrap):
+        super().__init__()
+        self.wrap = wrap
+
+    def forward(self, x):
+        return self.wrap([x])
+
+
+def test_an_empty_sequential_is_the_identity():
+    model = fpipe.GPipe(nn.Sequential(), [])
+    x = torch.randn(2, 2)
+    assert model(x) is x and model.devices == [] and len(model) == 0
+
+
+def test_constructor_arguments_as_torchgpipe_takes_them():
+    class Mode:
+        def __str__(self):
+            return "never"
+
+    piped = fpipe.GPipe(model(), (2, 3), chunks=42.0, checkpoint=Mode())
+    assert piped.chunks == 42 and type(piped.chunks) is int and piped.checkpoint == "never"
+    assert piped.balance == [2, 3] and type(piped.balance) is list
+    with pytest.raises(ValueError, match="balance is required.*balance_by_time.*balance_by_size"):
+        fpipe.GPipe(model())
+    with pytest.raises(ValueError, match="chunks must be a whole number, got 2.5"):
+        fpipe.GPipe(model(), [5], chunks=2.5)
+    with pytest.raises(TypeError, match="chunks must be a positive integer, got None"):
+        fpipe.GPipe(model(), [5], chunks=None)
+    with pytest.raises(ValueError, match=r"balance\[0\] is 0: every partition needs"):
+        fpipe.GPipe(model(), [0, 5])
+    layer = nn.Linear(6, 6)
+    with pytest.raises(ValueError, match="the module holds the same layer twice"):
+        fpipe.GPipe(nn.Sequential(layer, layer), [1, 1])
+    with pytest.raises(TypeError, match="moving the whole module is refused"):
+        fpipe.GPipe(model(), [5]).to(0)  # before torch would look for CUDA
+
+
+def test_the_readme_torchgpipe_section_runs():
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = re.search(r"\n## The torchgpipe face.*?\n(.*?)\n## ", text, re.S).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks
+    namespace: dict = {}
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), namespace)
+    assert all(p.grad is not None for p in namespace["model"].parameters())

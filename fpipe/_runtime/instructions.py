@@ -18,7 +18,7 @@ from fpipe._runtime.rng import UnseededDraws
 from fpipe._runtime.step import Channel, Step
 from fpipe._runtime.values import Value, describe
 from fpipe.errors import StageError, Where, locate
-from fpipe.recompute import recomputing
+from fpipe.recompute import checkpointing, recomputing
 from fpipe.schedules.actions import Action, Op, Program
 from fpipe.schedules.validate import validate
 
@@ -174,7 +174,7 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     with interpreter.transport.compute(device), \
             interpreter.random.scope(step.seed, stage, microbatch, step.training, step.seeded,
                                      check=dropped) as drawing, \
-            job.timed(kind, stage, microbatch):
+            checkpointing() if dropped else _NOTHING, job.timed(kind, stage, microbatch):
         if kind.keep:
             outs, step.state[stage], vjp_fn = call.forward_vjp(
                 step.params[stage], inputs, state, mb, split=kind.split,

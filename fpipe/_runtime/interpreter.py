@@ -82,6 +82,8 @@ class Interpreter:
         kind = stage = microbatch = None
         try:
             for kind, stage, microbatch in actions:
+                if step.error is not None:  # another worker failed: start nothing more
+                    return
                 job.received = None
                 kind.handler(job, kind, stage, microbatch)
         except Aborted:

@@ -6,6 +6,7 @@
 
 from fpipe.stages.balance import balance_by_size, balance_by_time, partition
 from fpipe.stages.batchnorm import DeferredBatchNorm
+from fpipe.stages.module_skip import Namespace, SkippableModule, pop, stash, verify_skippables
 from fpipe.stages.sequential import (
     ModuleStage,
     Stages,
@@ -18,4 +19,5 @@ from fpipe.stages.skip import SkipError, Skippable, skip_routes, skippable
 
 __all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
            "load_into", "partition", "balance_by_time", "balance_by_size", "DeferredBatchNorm",
-           "SkipError", "Skippable", "skip_routes", "skippable"]
+           "SkipError", "Skippable", "skip_routes", "skippable", "stash", "pop", "Namespace",
+           "SkippableModule", "verify_skippables"]

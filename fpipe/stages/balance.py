@@ -20,6 +20,8 @@ import optree
 import torch
 from torch import nn
 
+from fpipe.stages.module_skip import tracking
+
 __all__ = ["partition", "balance_by_time", "balance_by_size"]
 
 
@@ -64,21 +66,30 @@ def partition(costs: Sequence[float], parts: int) -> list[int]:
     return sizes[::-1]
 
 
-def balance_by_time(module: nn.Sequential, sample: Any, partitions: int, *,
-                    device: torch.device | str | None = None, repeat: int = 3) -> list[int]:
+def balance_by_time(module: nn.Sequential, sample: Any, partitions: int | None = None, *,
+                    device: torch.device | str | None = None, repeat: int = 3,
+                    timeout: float | None = None) -> list[int]:
     """Balance ``module``'s layers by the time of their forward and backward on ``sample``.
 
     Each layer runs on ``device`` (default: where its parameters are, or the CPU) on the
     previous layer's output, forward then backward with a cotangent of ones; its cost is the
-    fastest of ``repeat`` runs after one warm-up. A copy of the module is profiled, so the
-    module's parameters, gradients and buffers (BatchNorm's statistics) are left as they were.
+    fastest of ``repeat`` runs after one warm-up, or, given ``timeout`` (seconds, torchgpipe's
+    keyword), of as many runs as fit in the layer's share of it (one at least). A copy of the
+    module is profiled, so the module's parameters, gradients and buffers (BatchNorm's
+    statistics) are left as they were. torchgpipe's argument order, ``(partitions, module,
+    sample)``, is accepted too.
     """
+    module, sample, partitions = _arguments("balance_by_time", module, sample, partitions)
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, got {repeat}")
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+    budget = None if timeout is None else timeout / max(len(module), 1)
 
     def measure(layer: nn.Module, x: Any, device: torch.device) -> tuple[float, Any]:
-        fastest = math.inf
-        for run in range(repeat + 1):
+        fastest, run, begun = math.inf, 0, time.perf_counter()
+        while run <= repeat if budget is None else \
+                (run < 2 or time.perf_counter() - begun < budget):
             _synchronize(device)
             start = time.perf_counter()
             y = layer(x)
@@ -89,22 +100,42 @@ def balance_by_time(module: nn.Sequential, sample: Any, partitions: int, *,
             _synchronize(device)
             if run:
                 fastest = min(fastest, time.perf_counter() - start)
+            run += 1
         return fastest, y
 
     return partition(_profile(module, sample, partitions, device, measure), partitions)
 
 
-def balance_by_size(module: nn.Sequential, sample: Any, partitions: int, *,
-                    device: torch.device | str | None = None,
-                    param_scale: float = 1.0) -> list[int]:
+def balance_by_size(module: nn.Sequential, sample: Any = None, partitions: int | None = None,
+                    *, device: torch.device | str | None = None, param_scale: float | None = None,
+                    chunks: int = 1, input: Any = None) -> list[int]:
     """Balance ``module``'s layers by the memory they hold.
 
     A layer's cost is ``param_scale`` times the bytes of its parameters (each tensor counted
     once, in the first layer holding it) plus the bytes of its output on ``sample``: the
-    activation a stage keeps per micro-batch, so give a sample of micro-batch size. Buffers,
-    gradients and temporaries inside a layer are not counted; set ``param_scale`` to cover
-    gradients and optimiser state (2 for SGD with gradients, 4 for Adam).
+    activation a stage keeps per micro-batch, so give a sample of micro-batch size, or a
+    mini-batch and its ``chunks`` (the first micro-batch is measured). Buffers, gradients and
+    temporaries inside a layer are not counted; set ``param_scale`` to cover gradients and
+    optimiser state (2 for SGD with gradients, 4 for Adam; by default 1).
+
+    torchgpipe's argument order, ``(partitions, module, input, chunks=..., param_scale=...)``,
+    is accepted too, with its default ``param_scale=2.0``.
     """
+    torchgpipe_order = not isinstance(module, nn.Module)
+    if input is not None:  # torchgpipe's name for the third argument, its sample
+        if (partitions if torchgpipe_order else sample) is not None:
+            raise TypeError("balance_by_size got a sample twice: as an argument and as input=")
+        if torchgpipe_order:
+            partitions = input
+        else:
+            sample = input
+    module, sample, partitions = _arguments("balance_by_size", module, sample, partitions)
+    if param_scale is None:
+        param_scale = 2.0 if torchgpipe_order else 1.0
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if chunks > 1:
+        sample = _first_microbatch(sample, chunks)
     counted: set[int] = set()
 
     def measure(layer: nn.Module, x: Any, device: torch.device) -> tuple[float, Any]:
@@ -115,6 +146,28 @@ def balance_by_size(module: nn.Sequential, sample: Any, partitions: int, *,
         return param_scale * _bytes(params) + _bytes(optree.tree_leaves(y)), y
 
     return partition(_profile(module, sample, partitions, device, measure), partitions)
+
+
+def _arguments(name: str, first: Any, second: Any, third: Any) -> tuple[Any, Any, int]:
+    """``(module, sample, partitions)`` from fpipe's order, or from torchgpipe's
+    ``(partitions, module, sample)``."""
+    if not isinstance(first, nn.Module) and isinstance(second, nn.Module):
+        first, second, third = second, third, first
+    if third is None:
+        raise TypeError(f"{name} needs the number of partitions: {name}(module, sample, "
+                        f"partitions=...) or torchgpipe's {name}(partitions, module, sample)")
+    if second is None:
+        raise TypeError(f"{name} needs a sample input to profile the layers on")
+    return first, second, third
+
+
+def _first_microbatch(sample: Any, chunks: int) -> Any:
+    """The first of ``chunks`` micro-batches of ``sample``, as ``torch.chunk`` cuts it."""
+    def cut(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            return leaf
+        return leaf[:math.ceil(leaf.shape[0] / chunks)]
+    return optree.tree_map(cut, sample)
 
 
 def _profile(module: nn.Sequential, sample: Any, partitions: int,
@@ -134,12 +187,29 @@ def _profile(module: nn.Sequential, sample: Any, partitions: int,
     model = copy.deepcopy(module).to(device)
     x = _to(sample, device)
     costs = []
-    for layer in model:
-        # Each layer starts its own graph, so its backward is measured alone.
-        x = optree.tree_map(_leaf_input, x)
-        cost, x = measure(layer, x, device)
-        costs.append(float(cost))
+    with tracking({}) as skips:  # torchgpipe-style skippable layers stash and pop through it
+        for layer in model:
+            # Each layer starts its own graph, so its backward is measured alone.
+            x = optree.tree_map(_leaf_input, x)
+            cost, x = measure(_Replayed(layer, skips), x, device)
+            costs.append(float(cost))
     return costs
+
+
+class _Replayed:
+    """A layer whose every run finds the skips stashed before it, each run anew (a pop takes a
+    skip away), as leaves of their own graphs."""
+
+    def __init__(self, layer: nn.Module, skips: Any) -> None:
+        self.layer, self.skips, self.stashed = layer, skips, dict(skips.values)
+
+    def __call__(self, x: Any) -> Any:
+        self.skips.values = {key: optree.tree_map(_leaf_input, value)
+                             for key, value in self.stashed.items()}
+        return self.layer(x)
+
+    def parameters(self) -> Any:
+        return self.layer.parameters()
 
 
 def _leaf_input(leaf: Any) -> Any:

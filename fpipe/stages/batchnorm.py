@@ -30,19 +30,23 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     the buffers' dtype.
     """
 
-    def __init__(self, num_features: int, chunks: int, eps: float = 1e-5,
+    def __init__(self, num_features: int, chunks: int = 1, eps: float = 1e-5,
                  momentum: float | None = 0.1, affine: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True,
                          device=device, dtype=dtype)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+            raise ValueError(f"chunks must be a positive integer, got {chunks!r} (chunks is the "
+                             f"second argument, before eps, momentum and affine; torchgpipe's "
+                             f"DeferredBatchNorm takes it last: pass it by keyword)")
         self.chunks = chunks
         factory = {"device": device, "dtype": dtype}
         self.register_buffer("sum", torch.zeros(num_features, **factory))
         self.register_buffer("sum_squares", torch.zeros(num_features, **factory))
-        self.register_buffer("count", torch.zeros((), **factory))
-        self.register_buffer("tracked", torch.zeros((), dtype=torch.long, device=device))
+        # Zero between mini-batches, so left out of state_dict: its keys are torchgpipe's.
+        self.register_buffer("count", torch.zeros((), **factory), persistent=False)
+        self.register_buffer("tracked", torch.zeros((), dtype=torch.long, device=device),
+                             persistent=False)
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -100,3 +104,9 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         converted._modules = {name: None if child is None else cls.convert(child, chunks)
                               for name, child in module._modules.items()}
         return converted
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
+        """:meth:`convert` under torchgpipe's name and default (``chunks=1``). The module is
+        returned converted and left as it was (torchgpipe's also swaps its layers in place)."""
+        return cls.convert(module, chunks)

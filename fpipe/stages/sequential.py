@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fpipe.stages.module_skip import route_module_skips
+
 __all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
            "load_into"]
 
@@ -98,7 +100,9 @@ def from_modules(modules: Sequence[nn.Module],
     This is how a model that is not an ``nn.Sequential`` is cut: write small adapter modules
     that hold references to the model's submodules (``Embed(model)``, ``Head(model)``) and
     list them with the blocks between. A parameter shared by two stages (tied weights) is an
-    error naming it and both stages: each stage would train its own copy.
+    error naming it and both stages: each stage would train its own copy. Skips of
+    torchgpipe-style skippable layers (:mod:`fpipe.stages.module_skip`) that cross stages are
+    routed by the pipeline.
     """
     modules = list(modules)
     if not modules:
@@ -111,13 +115,15 @@ def from_modules(modules: Sequence[nn.Module],
     params = [_place(m.named_parameters(), d) for m, d in zip(modules, devices)]
     state = [_place(m.named_buffers(), d) for m, d in zip(modules, devices)]
     if stateful:
-        return Stages(tuple(StatefulModuleStage(m) for m in modules), params, state)
+        stages = [StatefulModuleStage(m) for m in modules]
+        return Stages(tuple(route_module_skips(stages, modules, True)), params, state)
     for i, buffers in enumerate(state):
         if buffers:
             raise ValueError(f"stage {i} has buffers {sorted(buffers)}, which a stateless stage "
                              f"cannot carry (BatchNorm's running statistics would be lost): "
                              f"use stateful=True and pass state= to fpipe.pipeline")
-    return Stages(tuple(ModuleStage(m) for m in modules), params, None)
+    stages = [ModuleStage(m) for m in modules]
+    return Stages(tuple(route_module_skips(stages, modules, False)), params, None)
 
 
 def load_into(target: nn.Module | Sequence[nn.Module], params: Sequence[Tensors],

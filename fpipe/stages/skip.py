@@ -44,9 +44,25 @@ class Skippable:
 
 def skippable(fn: Callable | None = None, *, stash: Iterable[str] = (),
               pop: Iterable[str] = ()) -> Any:
-    """Declare what a stage stashes and pops; usable as ``@skippable(stash=["a"])`` too."""
+    """Declare what a stage stashes and pops; usable as ``@skippable(stash=["a"])`` too.
+
+    On an ``nn.Module`` class, ``@skippable(stash=[...], pop=[...])`` is torchgpipe's: the
+    module's ``forward`` yields ``stash(name, tensor)`` and ``pop(name)`` commands (see
+    :mod:`fpipe.stages.module_skip`)."""
+    if fn is not None and not callable(fn):  # torchgpipe's skippable(stash_names)
+        fn, stash = None, fn
     if fn is None:
-        return lambda f: Skippable(f, stash, pop)
+        return lambda f: _declare(f, stash, pop)
+    return _declare(fn, stash, pop)
+
+
+def _declare(fn: Any, stash: Iterable[str], pop: Iterable[str]) -> Any:
+    if isinstance(fn, type):
+        from torch import nn
+
+        from fpipe.stages.module_skip import skippable_module
+        if issubclass(fn, nn.Module):
+            return skippable_module(fn, stash, pop)
     return Skippable(fn, stash, pop)
 
 

@@ -1,0 +1,150 @@
+"""How a call of ``fpipe.GPipe`` runs on the functional core, as a torchgpipe call would run.
+
+- **Program.** A ``Program`` with one worker per device (torchgpipe has one thread per device)
+  whose forwards go in torchgpipe's clock order: at clock ``k`` micro-batch ``k - j`` on
+  partition ``j``, partitions in order. So on a device holding several partitions, a failure
+  stops the micro-batches torchgpipe's would stop.
+- **Micro-batches.** torchgpipe cuts with ``torch.chunk``, which may give fewer micro-batches
+  than ``chunks`` (a batch of 3 in 8 chunks is 3 micro-batches); the face runs a pipeline with
+  that many, and checkpoints them as torchgpipe's would. The pipelines are built on first use,
+  one per (micro-batches, checkpointing).
+- **Autograd.** A training call is one autograd node around :meth:`fpipe.Pipeline.vjp`:
+  forwards when the module is called, recomputes and backwards when autograd asks for the
+  input's and parameters' gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from fpipe.pipeline import Pipeline
+from fpipe.schedules.actions import Action, B, F, Program
+from fpipe.schedules.remat import apply_remat
+from fpipe.stages.module_skip import route_module_skips
+from fpipe.stages.sequential import StatefulModuleStage
+
+__all__: list[str] = []
+
+
+def check_input(input: Any) -> None:
+    """A tensor or a tuple of tensors, as torchgpipe takes (a ``TypeError`` otherwise)."""
+    values = input if isinstance(input, tuple) else (input,)
+    if not values or not all(isinstance(value, torch.Tensor) for value in values):
+        raise TypeError(f"GPipe takes a tensor or a tuple of tensors, got {_kind(input)}")
+
+
+def microbatches(input: Any, chunks: int) -> int:
+    """How many micro-batches ``torch.chunk`` cuts the input into (torchgpipe's count)."""
+    first = input if isinstance(input, torch.Tensor) else input[0]
+    n = first.shape[0] if first.dim() else 0
+    if n == 0:
+        return chunks  # the pipeline says what is wrong with the batch
+    return math.ceil(n / math.ceil(n / chunks))
+
+
+def remat_of(checkpoint: str, chunks: int, microbatches: int) -> str:
+    """torchgpipe checkpoints the micro-batches before ``checkpoint_stop``: all of them for
+    ``"always"``, all but the ``chunks``-th for ``"except_last"`` (so all of fewer)."""
+    if checkpoint == "except_last" and microbatches < chunks:
+        return "always"
+    return checkpoint
+
+
+def clock_program(n_microbatches: int, devices: Sequence[torch.device], remat: str) -> Program:
+    """GPipe over one worker per distinct device, forwards in torchgpipe's clock order and
+    backwards in the mirror order (each stage's in micro-batch order), then ``remat``."""
+    worker_of: dict[torch.device, int] = {}
+    workers = [worker_of.setdefault(d, len(worker_of)) for d in devices]
+    k, m = len(devices), n_microbatches
+    pairs = [(s, i) for i in range(m) for s in range(k)]
+    forwards = sorted(pairs, key=lambda p: (p[0] + p[1], p[0]))
+    backwards = sorted(pairs, key=lambda p: (p[1] + k - 1 - p[0], -p[0]))
+    lists: list[list[Action]] = [[] for _ in worker_of]
+    for op, order in ((F, forwards), (B, backwards)):
+        for s, i in order:
+            lists[workers[s]].append(Action(s, op, i))
+    return apply_remat(Program(lists, k, m), remat)
+
+
+class Partition:
+    """A partition's stage, ``(params, buffers, x) -> (y, new_buffers)``, holding its output
+    to torchgpipe's rule: a tensor or a tuple of tensors."""
+
+    def __init__(self, module: nn.Module, index: int) -> None:
+        self.stage = StatefulModuleStage(module)
+        self.index = index
+
+    def __call__(self, params: Any, state: Any, x: Any) -> tuple[Any, Any]:
+        y, new_state = self.stage(params, state, x)
+        values = y if isinstance(y, tuple) else (y,)
+        if not all(isinstance(value, torch.Tensor) for value in values):
+            raise TypeError(f"partition {self.index} returned {_kind(y)}: a partition's output "
+                            f"must be a tensor or a tuple of tensors")
+        return y, new_state
+
+    def __repr__(self) -> str:
+        return f"Partition({self.index}, {self.stage.module!r})"
+
+
+class Pipelines:
+    """The face's pipelines, one per (micro-batches, remat), built on first use. Copied or
+    pickled with the module, it starts empty (a pipeline holds threads and locks)."""
+
+    def __init__(self) -> None:
+        self.built: dict[tuple[int, str], Pipeline] = {}
+        self.stages: list | None = None
+
+    def get(self, partitions: nn.ModuleList, devices: list[torch.device], microbatches: int,
+            remat: str, params: list, state: list) -> Pipeline:
+        key = (microbatches, remat)
+        if key not in self.built:
+            if self.stages is None:
+                self.stages = route_module_skips(
+                    [Partition(p, j) for j, p in enumerate(partitions)], list(partitions), True)
+            self.built[key] = Pipeline(self.stages, params, state=state, devices=devices,
+                                       schedule=clock_program(microbatches, devices, remat))
+        return self.built[key]
+
+    def __deepcopy__(self, memo: dict) -> Pipelines:
+        return Pipelines()
+
+    def __reduce__(self) -> tuple:
+        return (Pipelines, ())
+
+
+class Run(torch.autograd.Function):
+    """The pipeline as one autograd node, over the input's tensors and every parameter:
+    ``Run.apply(run, tuple_input, n_inputs, *input_tensors, *param_leaves)``.
+
+    ``run(input) -> (y, vjp_fn)`` runs the forwards; ``vjp_fn(cotangent)`` returns the
+    parameters' gradients (a pytree whose leaves follow ``param_leaves``) and the input's,
+    shaped like the input."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable, tuple_input: bool, n_inputs: int,
+                *tensors: torch.Tensor) -> Any:
+        y, ctx.vjp_fn = run(tensors[:n_inputs] if tuple_input else tensors[0])
+        ctx.tuple_input, ctx.tuple_output = tuple_input, isinstance(y, tuple)
+        outputs = y if ctx.tuple_output else (y,)
+        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        param_grads, input_grads = ctx.vjp_fn(tuple(grads) if ctx.tuple_output else grads[0])
+        del ctx.vjp_fn
+        input_grads = list(input_grads) if ctx.tuple_input else [input_grads]
+        return (None, None, None, *input_grads, *optree.tree_leaves(param_grads))
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of ({', '.join(type(v).__name__ for v in value)})" if value else \
+            "an empty tuple"
+    return f"a {type(value).__name__}"
