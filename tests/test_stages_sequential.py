@@ -378,7 +378,9 @@ def test_readme_from_module_snippet_runs():
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.needs_extra
 def test_gpt_example_learns_and_hands_the_model_back(capsys):
+    pytest.importorskip("tqdm")  # the example's progress bar: the [examples] extra
     example = load_example("gpt_pipeline")
     first, trained = example.main(["--steps", "8", "--schedule", "1f1b"])
     # The loss is that of the GPT's own forward after load_into, on fresh data.
