@@ -1,6 +1,6 @@
 """Train a small residual MLP with one pipeline stage per rank, over torch.distributed.
 
-    torchrun --nproc-per-node=2 examples/train_distributed.py [--steps 50] [--chunks 4]
+    torchrun --standalone --nproc-per-node=2 examples/train_distributed.py [--steps 50] [--chunks 4]
 
 Each rank builds only its own stages' parameters; the loss is printed by rank 0.
 """
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     args = parser.parse_args()
     if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE and the rendezvous address
-        command = shlex.join(["torchrun", "--nproc-per-node=2", sys.argv[0], *sys.argv[1:]])
+        command = shlex.join(["torchrun", "--standalone", "--nproc-per-node=2", *sys.argv])
         sys.exit(f"{sys.argv[0]} runs one process per pipeline stage; launch it with torchrun:\n"
                  f"    {command}")
 

@@ -128,7 +128,7 @@ def test_distributed_example_says_how_to_launch_it_and_that_command_trains(tmp_p
     run = subprocess.run([sys.executable, str(script), "--steps", "20"], env=env, timeout=120,
                          capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 1 and "Traceback" not in run.stderr and "RANK" not in run.stderr
-    command = f"torchrun --nproc-per-node=2 {script} --steps 20"
+    command = f"torchrun --standalone --nproc-per-node=2 {script} --steps 20"
     assert f"launch it with torchrun:\n    {command}\n" in run.stderr
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     args = shlex.split(command)

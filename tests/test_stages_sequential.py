@@ -366,7 +366,7 @@ def test_readme_from_module_snippet_runs():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64),
                           nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     x, target = torch.randn(64, 32), torch.randint(0, 10, (64,))
-    torch.testing.assert_close(x, snippet["x"], rtol=0, atol=0)
+    torch.testing.assert_close(x, snippet["features"], rtol=0, atol=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(5):
         torch.empty((), dtype=torch.int64).random_()

@@ -1,0 +1,196 @@
+"""Every code block of the documentation runs: README.md and each page of docs/.
+
+A page's ``python`` blocks run in order in one namespace (a block continues the ones before
+it, as a reader would type them), in a scratch directory; a ``test_*`` function a block
+defines is called. A ``bash`` block's lines run one by one in that directory, with this
+interpreter's ``python`` and ``torchrun`` first on the PATH and ``examples/`` at hand; lines
+that start the ranks of several hosts (``--node-rank=``) run together, on this machine, with
+the first host's address replaced by 127.0.0.1. Two markers, each the first line of a block
+and shown to the reader as they are:
+
+- ``# train.py`` (any ``name.py``): the block is a script; it is saved under that name for the
+  page's commands to run (``torchrun --standalone --nproc-per-node=2 train.py``), not run in
+  the namespace.
+- ``# not run by the tests: <why>``: the block is skipped, for a reason a reader can see (a
+  GPU, an install in a fresh environment). :func:`test_skipped_blocks_are_few_and_say_why`
+  holds the list, so a new skip is a decision, not an accident.
+
+docs/benchmarks.md is the benchmarks' own page: its commands run the benchmarks for minutes,
+and tests/test_benchmarks.py runs each of those scripts in its quick mode, which is checked
+here instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = {"python", "py", "bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.S | re.M)
+SKIP = re.compile(r"# not run by the tests: (\S.*)")
+SCRIPT = re.compile(r"# ([\w-]+\.py)$")
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+NEEDS = {"docs/quickstart-hf.md": "transformers"}  # page: the extra's package its blocks import
+# The blocks that do not run, per page, each with its reason in its first line.
+SKIPPED = {"README.md": 2, "docs/gpu-checklist.md": 2, "docs/index.md": 1,
+           "docs/quickstart-hf.md": 1}
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    lang: str
+    code: str
+
+    @property
+    def first(self) -> str:
+        return self.code.split("\n", 1)[0].strip()
+
+    @property
+    def skip(self) -> str | None:
+        match = SKIP.fullmatch(self.first)
+        return match.group(1) if match else None
+
+    @property
+    def script(self) -> str | None:
+        match = SCRIPT.match(self.first) if self.lang in ("python", "py") else None
+        return match.group(1) if match else None
+
+
+def blocks(page: str, text: str | None = None) -> list[Block]:
+    """The code blocks of a page (``python``, ``bash``...; not ``text`` or unlabelled ones)."""
+    text = (ROOT / page).read_text() if text is None else text
+    return [Block(page, text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
+            for m in FENCE.finditer(text) if m.group(1) in CODE]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shell_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def commands(code: str) -> list[str]:
+    joined = code.replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def run_commands(block: Block, cwd: Path) -> None:
+    lines = commands(block.code)
+    where = f"{block.page}:{block.line}"
+    if block.page == "docs/benchmarks.md":  # run in quick mode by tests/test_benchmarks.py
+        quick = (ROOT / "tests" / "test_benchmarks.py").read_text()
+        for line in lines:
+            script = re.fullmatch(r"python benchmarks/(\w+\.py)( .*)?", line)
+            assert script and f'"{script.group(1)}"' in quick, f"{where}: {line}"
+        return
+    env = shell_env()
+    hosts = [line for line in lines if "--node-rank=" in line]
+    if hosts:  # one command per host: here all on this machine, at once
+        assert hosts == lines, f"{where}: a block of several hosts holds only their commands"
+        address = re.search(r"--master-addr=(\S+)", hosts[0]).group(1)
+        port = str(free_port())
+        procs = [subprocess.Popen(re.sub(r"--master-port=\d+", f"--master-port={port}",
+                                         line.replace(address, "127.0.0.1")),
+                                  shell=True, cwd=cwd, env=env, executable="/bin/bash",
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for line in hosts]
+        for line, proc in zip(hosts, procs):
+            out, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{where}: {line}\n{out[-3000:]}"
+        return
+    for line in lines:
+        run = subprocess.run(line, shell=True, cwd=cwd, env=env, executable="/bin/bash",
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{where}: {line}\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
+
+
+def run_page(page: str, cwd: Path) -> None:
+    (cwd / "examples").symlink_to(ROOT / "examples")
+    namespace: dict = {"__name__": "__docs__"}
+    torch.manual_seed(0)
+    for block in blocks(page):
+        if block.skip:
+            continue
+        if block.script:
+            (cwd / block.script).write_text(block.code)
+        elif block.lang in ("python", "py"):
+            before = set(namespace)
+            exec(compile(block.code, f"{page}:{block.line}", "exec"), namespace)
+            for name in sorted(set(namespace) - before):
+                if name.startswith("test_") and callable(namespace[name]):
+                    namespace[name]()
+        else:
+            run_commands(block, cwd)
+    for value in list(namespace.values()):  # stop the pipelines' worker threads
+        if isinstance(value, __import__("fpipe").Pipeline):
+            value.close()
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(page, marks=pytest.mark.needs_extra) if page in NEEDS else page
+    for page in PAGES])
+def test_every_code_block_runs(page, tmp_path, monkeypatch):
+    if page in NEEDS and importlib.util.find_spec(NEEDS[page]) is None:
+        pytest.skip(f"{page} needs {NEEDS[page]} (an extra)")
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        run_page(page, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_skipped_blocks_are_few_and_say_why():
+    skipped: dict[str, int] = {}
+    for page in PAGES:
+        for block in blocks(page):
+            if block.skip:
+                assert len(block.skip.split()) >= 3, f"{page}:{block.line}: say why"
+                skipped[page] = skipped.get(page, 0) + 1
+    assert skipped == SKIPPED
+
+
+def test_the_markers_are_read_as_documented():
+    skip = Block("p.md", 1, "python", "# not run by the tests: needs a CUDA GPU\nx = 1\n")
+    script = Block("p.md", 1, "python", "# train.py\nimport torch\n")
+    plain = Block("p.md", 1, "python", "# a comment\nx = 1\n")
+    assert (skip.skip, skip.script) == ("needs a CUDA GPU", None)
+    assert (script.skip, script.script) == (None, "train.py")
+    assert (plain.skip, plain.script) == (None, None)
+    text = "a\n```python\nx = 1\n```\n```text\nnot code\n```\n```bash\necho \\\n  hi\n```\n"
+    found = blocks("p.md", text)
+    assert [(b.lang, b.line) for b in found] == [("python", 2), ("bash", 8)]
+    assert commands(found[1].code) == ["echo    hi"]
+
+
+def test_every_page_is_in_the_site_and_the_readme_links_the_site():
+    """mkdocs.yml's nav lists every page of docs/, and README.md links each guide."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for page in PAGES[1:]:
+        name = page.removeprefix("docs/")
+        assert f": {name}" in nav, f"{page} is not in mkdocs.yml's nav"
+        if not name.startswith("reference/"):
+            assert f"]({page})" in readme, f"README.md does not link {page}"
