@@ -194,3 +194,33 @@ def test_every_page_is_in_the_site_and_the_readme_links_the_site():
         assert f": {name}" in nav, f"{page} is not in mkdocs.yml's nav"
         if not name.startswith("reference/"):
             assert f"]({page})" in readme, f"README.md does not link {page}"
+
+
+@pytest.mark.parametrize("module", ["fpipe", "fpipe.schedules", "fpipe.stages", "fpipe.optim",
+                                    "fpipe.amp", "fpipe.saving", "fpipe.errors"])
+def test_the_api_reference_covers_every_public_name(module):
+    """Each name of a public module's ``__all__`` has its entry in docs/reference/: a ``:::``
+    line for the object itself, or for the module that documents it whole (a package whose
+    names a submodule shadows, like ``fpipe.schedules.gpipe``, lists them one by one)."""
+    import importlib
+    import types
+
+    directives = {line.split()[1] for page in (ROOT / "docs" / "reference").glob("*.md")
+                  for line in page.read_text().splitlines() if line.startswith("::: ")}
+    package = importlib.import_module(module)
+    public = getattr(package, "__all__", None) or [  # without __all__: what it defines
+        name for name, obj in vars(package).items()
+        if not name.startswith("_") and getattr(obj, "__module__", None) == module]
+    shadowed = any(f"{module}.{name}" in sys.modules for name in public)
+    missing = []
+    for name in public:
+        obj = getattr(package, name)
+        if isinstance(obj, types.ModuleType):
+            ok = obj.__name__ in directives
+        else:
+            home = obj.__module__
+            ok = (f"{home}.{name}" in directives or home in directives
+                  or (module in directives and not shadowed))
+        if not ok:
+            missing.append(name)
+    assert not missing, f"{module}: no entry in docs/reference/ for {missing}"
