@@ -64,6 +64,7 @@ def main() -> None:
         optimizer.step()
         if rank == 0 and (step % 10 == 0 or step == 1):
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+    dist.barrier()  # every rank done with its messages before the groups are torn down
     dist.destroy_process_group()
 
 
