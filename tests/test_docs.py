@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import fpipe
+
 ROOT = Path(__file__).resolve().parent.parent
 CODE = {"python", "py", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.S | re.M)
@@ -116,9 +118,15 @@ def run_commands(block: Block, cwd: Path) -> None:
                                   shell=True, cwd=cwd, env=env, executable="/bin/bash",
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for line in hosts]
-        for line, proc in zip(hosts, procs):
-            out, _ = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"{where}: {line}\n{out[-3000:]}"
+        try:
+            for line, proc in zip(hosts, procs):
+                out, _ = proc.communicate(timeout=300)
+                assert proc.returncode == 0, f"{where}: {line}\n{out[-3000:]}"
+        finally:
+            for proc in procs:  # a host left waiting for one that failed
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
         return
     for line in lines:
         run = subprocess.run(line, shell=True, cwd=cwd, env=env, executable="/bin/bash",
@@ -130,22 +138,24 @@ def run_page(page: str, cwd: Path) -> None:
     (cwd / "examples").symlink_to(ROOT / "examples")
     namespace: dict = {"__name__": "__docs__"}
     torch.manual_seed(0)
-    for block in blocks(page):
-        if block.skip:
-            continue
-        if block.script:
-            (cwd / block.script).write_text(block.code)
-        elif block.lang in ("python", "py"):
-            before = set(namespace)
-            exec(compile(block.code, f"{page}:{block.line}", "exec"), namespace)
-            for name in sorted(set(namespace) - before):
-                if name.startswith("test_") and callable(namespace[name]):
-                    namespace[name]()
-        else:
-            run_commands(block, cwd)
-    for value in list(namespace.values()):  # stop the pipelines' worker threads
-        if isinstance(value, __import__("fpipe").Pipeline):
-            value.close()
+    try:
+        for block in blocks(page):
+            if block.skip:
+                continue
+            if block.script:
+                (cwd / block.script).write_text(block.code)
+            elif block.lang in ("python", "py"):
+                before = set(namespace)
+                exec(compile(block.code, f"{page}:{block.line}", "exec"), namespace)
+                for name in sorted(set(namespace) - before):
+                    if name.startswith("test_") and callable(namespace[name]):
+                        namespace[name]()
+            else:
+                run_commands(block, cwd)
+    finally:
+        for value in list(namespace.values()):  # stop the pipelines' worker threads
+            if isinstance(value, fpipe.Pipeline):
+                value.close()
 
 
 @pytest.mark.parametrize("page", [
