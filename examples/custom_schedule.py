@@ -14,12 +14,11 @@ against ``torch.func`` on the whole batch.
 from __future__ import annotations
 
 import argparse
-import time
 
 import optree
-import progress
 import torch
 from torch.func import grad_and_value
+from tqdm import tqdm
 
 import fpipe
 from fpipe.schedules import Action, Costs, Op, Program, render, simulate
@@ -96,16 +95,15 @@ def main() -> None:
         print("gradients equal torch.func's on the whole batch (float64)")
 
         optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=0.01)
-        started, first = time.perf_counter(), None
-        for step in range(1, args.steps + 1):
+        first = None
+        for _ in (bar := tqdm(range(args.steps), desc="training")):
             x = torch.randn(batch, width)
             loss, grads = pipe.value_and_grad(x, torch.tanh(x @ teacher))
             fpipe.optim.bind_grads(params, grads)
             optimizer.step()
             first = loss.item() if first is None else first
-            if step % 5 == 0 or step == args.steps:
-                progress.show(step, args.steps, loss.item(), started)
-        print(f"\nloss {first:.4f} -> {loss.item():.4f}")
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        print(f"loss {first:.4f} -> {loss.item():.4f}")
 
 
 if __name__ == "__main__":

@@ -7,19 +7,19 @@ positional embeddings, pre-norm blocks of causal self-attention and MLP, a final
 head. It is cut with ``fpipe.stages.from_modules`` into embeddings / blocks / blocks / head,
 using two small adapter modules; the weights are random (nothing is downloaded). The data is
 sequences of an affine rule ``next = (a * token + b) % vocab``, so the loss goes down as the
-model learns it. Prints a progress bar, then the loss of the trained module's own forward.
+model learns it. Prints a progress bar (tqdm), then the loss of the trained module's own forward.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
-import progress
+import optree
 import torch
 import torch.nn.functional as F
 from tokens import next_token_loss, synthetic_batch
 from torch import nn
+from tqdm import tqdm
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b
@@ -112,31 +112,29 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     gpt = GPT(vocab, context=length, width=64, depth=4, heads=4)
     modules = cut(gpt)
     s = from_modules(modules, stateful=False)  # no buffers: stages are (params, x) -> y
-    leaves = [t for part in s.params for t in part.values()]
-    optimizer = torch.optim.Adam(leaves, lr=args.lr)
+    optimizer = torch.optim.Adam(optree.tree_leaves(s.params), lr=args.lr)
     make = gpipe if args.schedule == "gpipe" else one_f_one_b
 
     with fpipe.pipeline(s.stages, s.params, schedule=make(chunks=args.chunks),
                         loss_fn=next_token_loss) as pipe:
-        print(f"a GPT of {sum(t.numel() for t in leaves)} parameters in {len(s.stages)} stages "
+        size = sum(t.numel() for t in optree.tree_leaves(s.params))
+        print(f"a GPT of {size} parameters in {len(s.stages)} stages "
               f"(embeddings / blocks / blocks / head); the program each worker runs:")
         print(pipe.program)
-        started, first = time.perf_counter(), None
-        for step in range(1, args.steps + 1):
+        first = None
+        for _ in (bar := tqdm(range(args.steps), desc="training")):
             ids, targets = synthetic_batch(batch, length, vocab)
             loss, grads = pipe.value_and_grad(ids, targets)
-            for part, part_grads in zip(s.params, grads):
-                for name, tensor in part.items():
-                    tensor.grad = part_grads[name]
+            fpipe.optim.bind_grads(s.params, grads)
             optimizer.step()
             first = loss.item() if first is None else first
-            progress.show(step, args.steps, loss.item(), started)
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
 
     load_into(modules, s.params)  # the adapters hold the GPT's own layers: this updates `gpt`
     ids, targets = synthetic_batch(batch, length, vocab)
     with torch.no_grad():
         trained = next_token_loss(gpt(ids), targets).item()
-    print(f"\nloss {first:.4f} -> {loss.item():.4f}; the trained GPT's own forward: {trained:.4f}")
+    print(f"loss {first:.4f} -> {loss.item():.4f}; the trained GPT's own forward: {trained:.4f}")
     return first, trained
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+import optree
 import torch
 from tokens import next_token_loss, synthetic_batch
 from torch import nn
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     model = tiny_gpt2(vocab)
     modules = cut(model)
     s = from_modules(modules, stateful=False)
-    optimizer = torch.optim.AdamW([t for part in s.params for t in part.values()], lr=args.lr)
+    optimizer = torch.optim.AdamW(optree.tree_leaves(s.params), lr=args.lr)
     with fpipe.pipeline(s.stages, s.params, schedule=one_f_one_b(chunks=args.chunks),
                         loss_fn=next_token_loss) as pipe:
         print(f"GPT-2 from transformers in {len(s.stages)} stages:\n{pipe.program}")

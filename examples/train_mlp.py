@@ -2,17 +2,16 @@
 
     python examples/train_mlp.py [--steps 200] [--schedule 1f1b] [--chunks 8]
 
-Prints the schedule's program, then a progress bar with the loss, which goes down.
+Prints the schedule's program, then a progress bar (tqdm) with the loss, which goes down.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import optree
-import progress
 import torch
+from tqdm import tqdm
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b
@@ -58,18 +57,16 @@ def main() -> None:
     with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=loss_fn) as pipe:
         print(f"{schedule!r} on {len(stages)} stages; the program each worker runs:")
         print(pipe.program)
-        started = time.perf_counter()
         first = None
-        for step in range(1, args.steps + 1):
+        for _ in (bar := tqdm(range(args.steps), desc="training")):
             x = torch.randn(batch, width)
             target = torch.sin(x @ teacher)
             loss, grads = pipe.value_and_grad(x, target)
             fpipe.optim.bind_grads(params, grads)
             optimizer.step()
             first = loss.item() if first is None else first
-            if step % 5 == 0 or step == args.steps:
-                progress.show(step, args.steps, loss.item(), started)
-        print(f"\nloss {first:.4f} -> {loss.item():.4f}")
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        print(f"loss {first:.4f} -> {loss.item():.4f}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ between), and its gradient comes back the same way. The task: denoise random blo
 from __future__ import annotations
 
 import argparse
-import time
 
 import optree
-import progress
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import fpipe
 from fpipe.schedules import gpipe
@@ -76,23 +75,21 @@ def main() -> None:
               {"bottom": layer(16, 16), "merge": layer(32, 16)},
               {"merge": layer(24, 8), "out": layer(8, 1, k=1)}]
     stages = [encode_full, encode_half, decode_half, decode_full]
-    leaves = optree.tree_leaves(params)
-    optimizer = torch.optim.Adam(leaves, lr=3e-3)
+    optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=3e-3)
     data = torch.Generator().manual_seed(1)
 
     with fpipe.pipeline(stages, params, schedule=gpipe(chunks=args.chunks),
                         loss_fn=F.mse_loss) as pipe:
-        started, first = time.perf_counter(), None
-        for step in range(1, args.steps + 1):
+        first = None
+        for _ in (bar := tqdm(range(args.steps), desc="training")):
             clean = blobs(32, data)
             noisy = clean + 0.3 * torch.randn(clean.shape, generator=data)
             loss, grads = pipe.value_and_grad(noisy, clean)
-            for leaf, grad in zip(leaves, optree.tree_leaves(grads)):
-                leaf.grad = grad
+            fpipe.optim.bind_grads(params, grads)
             optimizer.step()
             first = loss.item() if first is None else first
-            progress.show(step, args.steps, loss.item(), started)
-    print(f"\nskips carried: {[(s.stash, s.pop) for s in stages]}")
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+    print(f"skips carried: {[(s.stash, s.pop) for s in stages]}")
     print(f"denoising loss {first:.4f} -> {loss.item():.4f}")
 
 

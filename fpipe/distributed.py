@@ -125,8 +125,10 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
         state: ``{stage: pytree}`` of this rank's stages' state, as ``state=`` of
             :func:`fpipe.pipeline`: every stage is then ``stage(params, state, x) ->
             (y, new_state)``, and calls also return this rank's new ``{stage: state}``.
-        nonfinite, grad_dtype, autodiff: as for :func:`fpipe.pipeline` (a non-finite loss
-            raises :class:`fpipe.NonFiniteLossError` on every rank).
+        nonfinite: as for :func:`fpipe.pipeline` (a non-finite loss raises
+            :class:`fpipe.NonFiniteLossError` on every rank).
+        grad_dtype: as for :func:`fpipe.pipeline`.
+        autodiff: as for :func:`fpipe.pipeline`.
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
                                device=device, timeout=timeout, state=state, nonfinite=nonfinite,

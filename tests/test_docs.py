@@ -1,70 +1,237 @@
-"""Every Python block of the schedule guides runs: docs/choosing-a-schedule.md as it is, in
-order, in one namespace; docs/writing-a-schedule.md the same, after a prelude that defines
-the model its snippets assume (``stages``, ``params``, ``loss_fn``, ``x``, ``target``)."""
+"""Every code block of the documentation runs: README.md and each page of docs/.
 
+A page's ``python`` blocks run in order in one namespace (a block continues the ones before
+it, as a reader would type them), in a scratch directory; a ``test_*`` function a block
+defines is called. A ``bash`` block's lines run one by one in that directory, with this
+interpreter's ``python`` and ``torchrun`` first on the PATH and ``examples/`` at hand; lines
+that start the ranks of several hosts (``--node-rank=``) run together, on this machine, with
+the first host's address replaced by 127.0.0.1. Two markers, each the first line of a block
+and shown to the reader as they are:
+
+- ``# train.py`` (any ``name.py``): the block is a script; it is saved under that name for the
+  page's commands to run (``torchrun --standalone --nproc-per-node=2 train.py``), not run in
+  the namespace.
+- ``# not run by the tests: <why>``: the block is skipped, for a reason a reader can see (a
+  GPU, an install in a fresh environment). :func:`test_skipped_blocks_are_few_and_say_why`
+  holds the list, so a new skip is a decision, not an accident.
+
+docs/benchmarks.md is the benchmarks' own page: its commands run the benchmarks for minutes,
+and tests/test_benchmarks.py runs each of those scripts in its quick mode, which is checked
+here instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
 import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-
-PRELUDE = """
 import torch
+
 import fpipe
-from fpipe.schedules import *
-from fpipe.schedules import validate
 
-def stage(p, x):
-    return torch.tanh(x @ p["w"])
-
-stages = [stage] * 3
-params = [{"w": torch.randn(8, 8, dtype=torch.float64) / 3} for _ in range(3)]
-loss_fn = torch.nn.functional.mse_loss
-x, target = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
-pipe = fpipe.pipeline(stages, params, schedule=one_f_one_b(4), loss_fn=loss_fn)
-program = one_f_one_b(4).program(3)
-costs_in_seconds = Costs(forward=1e-3)
-"""
+ROOT = Path(__file__).resolve().parent.parent
+CODE = {"python", "py", "bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.S | re.M)
+SKIP = re.compile(r"# not run by the tests: (\S.*)")
+SCRIPT = re.compile(r"# ([\w-]+\.py)$")
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+NEEDS = {"docs/quickstart-hf.md": "transformers"}  # page: the extra's package its blocks import
+# The blocks that do not run, per page, each with its reason in its first line.
+SKIPPED = {"README.md": 2, "docs/gpu-checklist.md": 2, "docs/index.md": 1,
+           "docs/quickstart-hf.md": 1}
 
 
-def blocks(page: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    lang: str
+    code: str
+
+    @property
+    def first(self) -> str:
+        return self.code.split("\n", 1)[0].strip()
+
+    @property
+    def skip(self) -> str | None:
+        match = SKIP.fullmatch(self.first)
+        return match.group(1) if match else None
+
+    @property
+    def script(self) -> str | None:
+        match = SCRIPT.match(self.first) if self.lang in ("python", "py") else None
+        return match.group(1) if match else None
 
 
-@pytest.mark.parametrize("page, prelude", [("choosing-a-schedule.md", ""),
-                                           ("writing-a-schedule.md", PRELUDE)])
-def test_python_blocks_run(page, prelude, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # blocks that write files write them here
-    namespace: dict = {}
-    exec(compile(prelude, "prelude", "exec"), namespace)
-    found = blocks(page)
-    assert found
+def blocks(page: str, text: str | None = None) -> list[Block]:
+    """The code blocks of a page (``python``, ``bash``...; not ``text`` or unlabelled ones)."""
+    text = (ROOT / page).read_text() if text is None else text
+    return [Block(page, text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2))
+            for m in FENCE.finditer(text) if m.group(1) in CODE]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shell_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def commands(code: str) -> list[str]:
+    joined = code.replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def run_commands(block: Block, cwd: Path) -> None:
+    lines = commands(block.code)
+    where = f"{block.page}:{block.line}"
+    if block.page == "docs/benchmarks.md":  # run in quick mode by tests/test_benchmarks.py
+        quick = (ROOT / "tests" / "test_benchmarks.py").read_text()
+        for line in lines:
+            script = re.fullmatch(r"python benchmarks/(\w+\.py)( .*)?", line)
+            assert script and f'"{script.group(1)}"' in quick, f"{where}: {line}"
+        return
+    env = shell_env()
+    hosts = [line for line in lines if "--node-rank=" in line]
+    if hosts:  # one command per host: here all on this machine, at once
+        assert hosts == lines, f"{where}: a block of several hosts holds only their commands"
+        address = re.search(r"--master-addr=(\S+)", hosts[0]).group(1)
+        port = str(free_port())
+        procs = [subprocess.Popen(re.sub(r"--master-port=\d+", f"--master-port={port}",
+                                         line.replace(address, "127.0.0.1")),
+                                  shell=True, cwd=cwd, env=env, executable="/bin/bash",
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for line in hosts]
+        try:
+            for line, proc in zip(hosts, procs):
+                out, _ = proc.communicate(timeout=300)
+                assert proc.returncode == 0, f"{where}: {line}\n{out[-3000:]}"
+        finally:
+            for proc in procs:  # a host left waiting for one that failed
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        return
+    for line in lines:
+        run = subprocess.run(line, shell=True, cwd=cwd, env=env, executable="/bin/bash",
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{where}: {line}\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
+
+
+def run_page(page: str, cwd: Path) -> None:
+    (cwd / "examples").symlink_to(ROOT / "examples")
+    namespace: dict = {"__name__": "__docs__"}
+    torch.manual_seed(0)
     try:
-        for number, code in enumerate(found):
-            exec(compile(code, f"{page} block {number + 1}", "exec"), namespace)
-        for name, value in list(namespace.items()):  # the hypothesis tests a page defines
-            if name.startswith("test_") and callable(value):
-                value()
+        for block in blocks(page):
+            if block.skip:
+                continue
+            if block.script:
+                (cwd / block.script).write_text(block.code)
+            elif block.lang in ("python", "py"):
+                before = set(namespace)
+                exec(compile(block.code, f"{page}:{block.line}", "exec"), namespace)
+                for name in sorted(set(namespace) - before):
+                    if name.startswith("test_") and callable(namespace[name]):
+                        namespace[name]()
+            else:
+                run_commands(block, cwd)
     finally:
-        for pipe in {id(v): v for v in namespace.values() if hasattr(v, "close")
-                     and type(v).__name__ == "Pipeline"}.values():
-            pipe.close()
+        for value in list(namespace.values()):  # stop the pipelines' worker threads
+            if isinstance(value, fpipe.Pipeline):
+                value.close()
 
 
-def test_choosing_guide_claims():
-    """The figures the guide's prose quotes from its blocks."""
-    text = (DOCS / "choosing-a-schedule.md").read_text()
-    assert "# memory-budget 0 0F5" in text
-    from fpipe.schedules import Memory, ScheduleError, check_memory, gpipe
+@pytest.mark.parametrize("page", [
+    pytest.param(page, marks=pytest.mark.needs_extra) if page in NEEDS else page
+    for page in PAGES])
+def test_every_code_block_runs(page, tmp_path, monkeypatch):
+    if page in NEEDS and importlib.util.find_spec(NEEDS[page]) is None:
+        pytest.skip(f"{page} needs {NEEDS[page]} (an extra)")
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        run_page(page, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
 
-    memory = Memory(activations=100e6, inputs=10e6, parameters=500e6, optimizer=1e9)
-    with pytest.raises(ScheduleError) as caught:
-        check_memory(gpipe(8, remat="never").program(4), memory, budget=2.5e9)
-    assert (caught.value.rule, caught.value.worker, str(caught.value.action)) == (
-        "memory-budget", 0, "0F5")
+
+def test_skipped_blocks_are_few_and_say_why():
+    skipped: dict[str, int] = {}
+    for page in PAGES:
+        for block in blocks(page):
+            if block.skip:
+                assert len(block.skip.split()) >= 3, f"{page}:{block.line}: say why"
+                skipped[page] = skipped.get(page, 0) + 1
+    assert skipped == SKIPPED
 
 
-def test_docs_stay_inside_the_repository():
-    for page in DOCS.glob("*.md"):
-        assert "/work/" not in page.read_text(), page.name
+def test_the_markers_are_read_as_documented():
+    skip = Block("p.md", 1, "python", "# not run by the tests: needs a CUDA GPU\nx = 1\n")
+    script = Block("p.md", 1, "python", "# train.py\nimport torch\n")
+    plain = Block("p.md", 1, "python", "# a comment\nx = 1\n")
+    assert (skip.skip, skip.script) == ("needs a CUDA GPU", None)
+    assert (script.skip, script.script) == (None, "train.py")
+    assert (plain.skip, plain.script) == (None, None)
+    text = "a\n```python\nx = 1\n```\n```text\nnot code\n```\n```bash\necho \\\n  hi\n```\n"
+    found = blocks("p.md", text)
+    assert [(b.lang, b.line) for b in found] == [("python", 2), ("bash", 8)]
+    assert commands(found[1].code) == ["echo    hi"]
+
+
+def test_every_page_is_in_the_site_and_the_readme_links_the_site():
+    """mkdocs.yml's nav lists every page of docs/, and README.md links each guide."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for page in PAGES[1:]:
+        name = page.removeprefix("docs/")
+        assert f": {name}" in nav, f"{page} is not in mkdocs.yml's nav"
+        if not name.startswith("reference/"):
+            assert f"]({page})" in readme, f"README.md does not link {page}"
+
+
+@pytest.mark.parametrize("module", ["fpipe", "fpipe.schedules", "fpipe.stages", "fpipe.optim",
+                                    "fpipe.amp", "fpipe.saving", "fpipe.errors"])
+def test_the_api_reference_covers_every_public_name(module):
+    """Each name of a public module's ``__all__`` has its entry in docs/reference/: a ``:::``
+    line for the object itself, or for the module that documents it whole (a package whose
+    names a submodule shadows, like ``fpipe.schedules.gpipe``, lists them one by one)."""
+    import importlib
+    import types
+
+    directives = {line.split()[1] for page in (ROOT / "docs" / "reference").glob("*.md")
+                  for line in page.read_text().splitlines() if line.startswith("::: ")}
+    package = importlib.import_module(module)
+    public = getattr(package, "__all__", None) or [  # without __all__: what it defines
+        name for name, obj in vars(package).items()
+        if not name.startswith("_") and getattr(obj, "__module__", None) == module]
+    shadowed = any(f"{module}.{name}" in sys.modules for name in public)
+    missing = []
+    for name in public:
+        obj = getattr(package, name)
+        if isinstance(obj, types.ModuleType):
+            ok = obj.__name__ in directives
+        else:
+            home = getattr(obj, "__module__", None)  # None: a constant, e.g. a dict
+            ok = (any(d.endswith(f".{name}") for d in directives) if home is None else
+                  f"{home}.{name}" in directives or home in directives
+                  or (module in directives and not shadowed))
+        if not ok:
+            missing.append(name)
+    assert not missing, f"{module}: no entry in docs/reference/ for {missing}"

@@ -6,9 +6,12 @@ references draw it too where the script draws its data from that generator after
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import optree
 import pytest
@@ -90,12 +93,14 @@ def plain_custom_schedule(steps, n_stages=4):
     return losses
 
 
+@pytest.mark.needs_extra
 @pytest.mark.parametrize("script, steps, reference", [
     ("train_mlp", 40, plain_train_mlp),
     ("unet_skips", 15, plain_unet_skips),
     ("custom_schedule", 30, plain_custom_schedule),
 ])
 def test_example_learns_as_plain_autograd_would(script, steps, reference):
+    pytest.importorskip("tqdm")  # the examples' progress bars: the [examples] extra
     run = subprocess.run([sys.executable, str(EXAMPLES / f"{script}.py"), "--steps", str(steps)],
                          check=True, timeout=300, capture_output=True, text=True)
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", run.stdout).groups())
@@ -112,3 +117,23 @@ def test_example_learns_as_plain_autograd_would(script, steps, reference):
     if script == "custom_schedule":
         assert "gradients equal torch.func's on the whole batch (float64)" in run.stdout
         assert "1F1B with look-ahead 1 on 4 stages" in run.stdout
+
+
+def test_distributed_example_says_how_to_launch_it_and_that_command_trains(tmp_path):
+    """Run with python instead of torchrun, the script names the torchrun command that runs it
+    (not torch's "RANK expected" error); that command, run as printed, trains."""
+    script = EXAMPLES / "train_distributed.py"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, str(script), "--steps", "20"], env=env, timeout=120,
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and "RANK" not in run.stderr
+    command = f"torchrun --standalone --nproc-per-node=2 {script} --steps 20"
+    assert f"launch it with torchrun:\n    {command}\n" in run.stderr
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    args = shlex.split(command)
+    trained = subprocess.run([torchrun, *args[1:]], env=env, timeout=180, capture_output=True,
+                             text=True, cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    losses = [float(v) for v in re.findall(r"step +\d+  loss (\S+)", trained.stdout)]
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0]

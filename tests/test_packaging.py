@@ -1,5 +1,8 @@
-"""The run-time core needs only torch and optree; the package ships its type hints."""
+"""The run-time core needs only torch and optree; the package ships its type hints, its
+licence and one version."""
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +29,47 @@ def test_typed_package_and_extras():
     assert project["project"]["dependencies"] == ["torch>=2.3", "optree>=0.11"]
     assert {"test", "plot", "hf"} <= project["project"]["optional-dependencies"].keys()
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["fpipe"]
+
+
+def test_one_version_the_package_and_its_metadata_agree():
+    """The version is written once, as ``fpipe.__version__``; pyproject.toml reads it from there
+    (a dynamic version), so the built metadata cannot drift from the package."""
+    tomllib = pytest.importorskip("tomllib")
+    from importlib import metadata
+
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import fpipe
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fpipe.__version__"}
+    built = read_configuration(ROOT / "pyproject.toml", expand=True)["project"]["version"]
+    assert built == fpipe.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\w+\d*)?", fpipe.__version__)
+    # Where this checkout is the installed one (CI's `pip install -e .`), its metadata agrees.
+    try:
+        dist = metadata.distribution("fpipe")
+    except metadata.PackageNotFoundError:
+        return
+    if Path(fpipe.__file__).resolve().parent == ROOT / "fpipe" and _installed_from(dist) == ROOT:
+        assert dist.version == fpipe.__version__
+
+
+def _installed_from(dist):
+    """The project directory of an editable install (PEP 610's direct_url.json), else None."""
+    text = dist.read_text("direct_url.json")
+    url = json.loads(text).get("url", "") if text else ""
+    return Path(url.removeprefix("file://")).resolve() if url.startswith("file://") else None
+
+
+def test_license_file_matches_the_metadata():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == {"text": "BSD-3-Clause"}
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License\n\nCopyright (c) ")
+    for clause in ("Redistributions of source code must retain",
+                   "Redistributions in binary form must reproduce",
+                   "Neither the name of the copyright holder nor the names of its"):
+        assert clause in text

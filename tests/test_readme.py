@@ -57,6 +57,8 @@ def test_ci_runs_the_readme_setup_in_a_fresh_venv():
     installed = next(line for line in rest if line.startswith("pip install"))
     assert set(re.search(r"\.\[([\w,]+)\]", installed).group(1).split(",")) == set(extras())
     assert rest[-1] == "python -m pytest -q -m needs_extra"
+    # And the documentation site, with warnings as errors.
+    assert any(line.startswith("mkdocs build --strict") for line in rest)
 
 
 def test_tests_that_need_an_extra_are_marked():

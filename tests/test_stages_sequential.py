@@ -366,7 +366,7 @@ def test_readme_from_module_snippet_runs():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64),
                           nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     x, target = torch.randn(64, 32), torch.randint(0, 10, (64,))
-    torch.testing.assert_close(x, snippet["x"], rtol=0, atol=0)
+    torch.testing.assert_close(x, snippet["features"], rtol=0, atol=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(5):
         torch.empty((), dtype=torch.int64).random_()
@@ -378,7 +378,9 @@ def test_readme_from_module_snippet_runs():
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.needs_extra
 def test_gpt_example_learns_and_hands_the_model_back(capsys):
+    pytest.importorskip("tqdm")  # the example's progress bar: the [examples] extra
     example = load_example("gpt_pipeline")
     first, trained = example.main(["--steps", "8", "--schedule", "1f1b"])
     # The loss is that of the GPT's own forward after load_into, on fresh data.
