@@ -9,13 +9,16 @@ from collections import Counter
 import pytest
 import torch
 from distributed_ranks import (
+    SEQLEN_LR,
     cases,
     concurrent_case,
     data,
+    fdist_schedule,
     fresh_state,
     full_params,
     large_case,
     local_steps,
+    seqlen_case,
     spawn,
     stateful_case,
 )
@@ -105,6 +108,41 @@ def test_1f1b_with_large_activations_and_changing_shapes():
             assert sorted(rank_grads) == [rank]
             torch.testing.assert_close(rank_grads[rank], expected_grads[rank], **TIGHT)
             torch.testing.assert_close(rank_grads[rank], grads[rank], **TIGHT)
+
+
+def test_training_with_a_new_sequence_length_every_step():
+    """SGD on batches whose sequence length and size change from step to step (longer, the
+    same again, shorter, longer than ever; uneven last micro-batches) matches SGD on the whole
+    batch in float64, step by step, under 1F1B and ZB-V on two ranks. A step whose shapes
+    repeat the previous one's sends each value as one message; the others fall back to sending
+    the new shapes, without error."""
+    results, codes = spawn("seqlen", 2)
+    assert codes == [0, 0]
+    assert all("crash" not in r for r in results), results
+    schedules, steps = seqlen_case()
+    for name, n_stages in schedules:
+        program = fdist_schedule(name, 3).program(n_stages)
+        owners = program.placement
+        crossing = [sum(owners[s - 1] != owners[s] for s in range(1, n_stages)
+                        if rank in (owners[s - 1], owners[s])) * program.n_microbatches
+                    for rank in range(2)]  # values each rank sends per step (x on, g back)
+        params = mlp_params(n_stages)
+        previous = None
+        for i, (x, target) in enumerate(steps):
+            loss, grads = whole_batch([block] * n_stages, params, x, target, mse)
+            for rank, result in enumerate(results):
+                rank_loss, rank_grads, sends = result[name][i]
+                torch.testing.assert_close(rank_loss, loss, **TIGHT)
+                assert sorted(rank_grads) == [s for s in range(n_stages) if owners[s] == rank]
+                for s, g in rank_grads.items():
+                    torch.testing.assert_close(g, grads[s], **TIGHT)
+                if x.shape == previous:
+                    assert sends == crossing[rank], (name, i, rank, sends)
+                else:
+                    assert sends >= crossing[rank], (name, i, rank, sends)
+            previous = x.shape
+            params = [{k: v - SEQLEN_LR * g[k] for k, v in p.items()}
+                      for p, g in zip(params, grads)]
 
 
 def test_concurrent_calls_are_refused_and_mismatched_calls_stop():
