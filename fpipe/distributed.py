@@ -21,10 +21,10 @@ refused, since two threads' calls could not be ordered alike on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -33,31 +33,21 @@ import torch.distributed as dist
 
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
-from fpipe._runtime.engine import check_options, nonfinite_error
-from fpipe._runtime.faults import RankFaults, at_rank
+from fpipe._runtime.driver import _after_forwards, _forwards
+from fpipe._runtime.engine import check_options, input_grads, nonfinite_error, output_cotangent
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
-from fpipe._runtime.p2p import RankChannel, make_links, send_orders
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.rank_driver import RankDriver, backend_for
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
-from fpipe.stages.skip import pops, stashes
 from fpipe.timeline import Recorder
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
-
-#: Loss dtypes, by the code broadcast with the loss.
-_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def backend_for(device: torch.device | str) -> str:
-    """The backend that carries tensors of ``device``: NCCL for CUDA, gloo otherwise."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
 
 def init(device: torch.device | str | None = None) -> torch.device:
     """Join the process group ``torchrun`` describes (its environment variables) with the
@@ -167,21 +157,11 @@ class DistributedPipeline:
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False)  # one thread a rank: every draw seeded
-        backend = backend_for(self.device)
-        # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
-        self.wire = self.device if backend == "nccl" else torch.device("cpu")
-        # fpipe's own groups: aborting them on failure leaves the caller's group to the caller.
-        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
-        self.faults = RankFaults(self.rank, timeout)
-        owners = program.placement
-        pairs = {(owners[s - 1], owners[s]) for s in range(1, program.n_stages)}
-        pairs |= {(owners[a], owners[b]) for a, b in self.interpreter.routes.values()}
-        self.links = make_links(self.rank, pairs, backend, timeout, self.wire)
-        self.faults.groups = [self.group, *(g for pair in self.links.values() for g in pair)]
-        self._orders: dict = {}  # per compiled plan: each link's keys in order (p2p)
-        self._known: dict = {}  # per key: its value's shapes at the last step (p2p)
+        self.driver = RankDriver(self.rank, program, stages, self.interpreter, self.device,
+                                 timeout, self._compiled)
+        self.group, self.wire = self.driver.group, self.driver.wire
         self._running = threading.Lock()
-        self._calls = 0
+        self._pending: object | None = None  # the step a vjp began, until its vjp_fn runs
 
     @property
     def chunks(self) -> int:
@@ -245,108 +225,141 @@ class DistributedPipeline:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _step(self, program: Program, training: bool, x: Any, target: Any,
-              params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None) -> tuple[Step, tuple | None]:
-        """One step, alone: a second thread's call while one runs is refused rather than
-        queued, since nothing could make two threads' calls reach every rank in one order."""
+    def vjp(self, x: Any = None, *, params: Mapping[int, Any] | None = None,
+            state: Mapping[int, Any] | None = None) -> tuple:
+        """The output for the whole batch and its vjp function, as :meth:`fpipe.Pipeline.vjp`
+        gives them: ``y, vjp_fn = pipe.vjp(x)``, then ``grads, x_grad = vjp_fn(cotangent)``.
+        Both calls are collective.
+
+        ``y`` is the output on the last stage's rank (``None`` elsewhere), where ``vjp_fn``
+        needs its cotangent (other ranks pass ``None``); ``grads`` is ``{stage: grads}`` for
+        this rank's stages and ``x_grad`` the input's gradient on the rank of stage 0
+        (``None`` elsewhere). The schedule must run every worker's forwards first (``gpipe``):
+        the forwards run now, the rest in ``vjp_fn``, and until then the pipeline runs nothing
+        else. A stateful pipeline returns ``(y, vjp_fn, new_state)``."""
+        plan = self.driver.plan(self.program, True, self.stateful)
+        if any(kind.forward for actions in plan for kind, _, _ in _after_forwards(actions)):
+            raise ValueError("a step run in two calls needs a program whose workers run all "
+                             "their forwards before any other action, such as gpipe's")
+        with self._alone():
+            step, channel = self._begin(self.program, 2, x, None, params, state, None)
+            with self._seeded(step):
+                self.driver.faults.guarded(
+                    lambda: self.driver.run(step, _forwards(plan[self.rank]), channel))
+        pending = self._pending = object()
+        last = self.rank == self.program.placement[-1]
+
+        def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
+            with self._alone(pending):
+                self._pending = None
+                self.driver.faults.guarded(lambda: self._backward(step, channel, plan, cotangent))
+            grads = step.grads.out()
+            grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
+                     for s in self.stages_held}
+            first = self.rank == self.program.placement[0]
+            return grads, input_grads(step.inputs, step.input_grads) if first else None
+
+        y = microbatch.join([out.tree() for out in step.outputs]) if last else None
+        return (y, vjp_fn, self._held_state(step)) if self.stateful else (y, vjp_fn)
+
+    def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any) -> None:
+        """The second call of a :meth:`vjp` step: everything after the forwards."""
+        if self.rank == self.program.placement[-1]:
+            if cotangent is None:
+                raise ValueError(f"rank {self.rank} holds the last stage, so vjp_fn needs the "
+                                 f"output's cotangent")
+            pieces = microbatch.split(_to(cotangent, self.device), self.chunks, "cotangent")
+            step.output_cotangents = [output_cotangent(out, piece, m)
+                                      for m, (out, piece) in enumerate(zip(step.outputs,
+                                                                           pieces))]
+        with self._seeded(step):
+            self.driver.run(step, _after_forwards(plan[self.rank]), channel)
+        self.driver.finish(step, channel, False)
+
+    @contextlib.contextmanager
+    def _alone(self, pending: object | None = None) -> Iterator[None]:
+        """Hold the pipeline for one call: a second thread's call while one runs is refused
+        rather than queued, since nothing could make two threads' calls reach every rank in
+        one order; so is any call but its ``vjp_fn`` while a vjp step is half done."""
         if not self._running.acquire(blocking=False):
             raise RuntimeError("this distributed pipeline is already running a step on another "
                                "thread; its calls are collective, so make them from one thread, "
                                "in the same order on every rank")
         try:
-            self._calls += 1
-            return self._step_alone(program, training, x, target, params, state, record)
+            if self.driver.faults.broken is not None:
+                raise RuntimeError("this distributed pipeline stopped after a failure and "
+                                   "cannot run again; restart the job") \
+                    from self.driver.faults.broken
+            if self._pending is not pending:
+                raise RuntimeError("this vjp function was called already: a pipeline step "
+                                   "runs its backward once" if pending is not None else
+                                   "a step begun by vjp() is waiting for its vjp_fn: call it "
+                                   "(on every rank) before anything else")
+            yield
         finally:
             self._running.release()
 
-    def _step_alone(self, program: Program, training: bool, x: Any, target: Any,
-                    params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-                    record: Recorder | None) -> tuple[Step, tuple | None]:
-        if self.faults.broken is not None:
-            raise RuntimeError("this distributed pipeline stopped after a failure and cannot "
-                               "run again; restart the job") from self.faults.broken
-        leaves = self._param_leaves(params)
-        states = self._states(state)
-        owners = program.placement
-        seed = StepSeed([self.device])
+    def _step(self, program: Program, training: bool, x: Any, target: Any,
+              params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
+              record: Recorder | None) -> tuple[Step, tuple | None]:
+        """One whole step: the header, every action of this rank, the loss to every rank."""
+        with self._alone():
+            step, channel = self._begin(program, int(training), x, target, params, state,
+                                        record)
+            plan = self.driver.plan(program, training, self.stateful)
+            with self._seeded(step):
+                return step, self.driver.faults.guarded(
+                    lambda: self.driver.run_all(step, plan[self.rank], channel, training))
+
+    @contextlib.contextmanager
+    def _seeded(self, step: Step) -> Iterator[None]:
+        """The caller's generators as they were, after a run that drew from them."""
+        seed = StepSeed([self.device], step.seed)
         try:
-            n, seed_value = self.faults.guarded(
-                lambda: self._batch_header(x, owners[0], seed.seed, training))
-            if n < self.chunks:  # every rank knows n, so every rank raises this by itself
-                raise BatchError(f"the input batch has {n} samples, fewer than chunks="
-                                 f"{self.chunks}: every micro-batch needs at least one sample")
-            return self.faults.guarded(lambda: self._run(program, training, leaves, states, x,
-                                                         target, n, seed_value, record))
+            yield
         finally:
             seed.restore()
 
-    def _run(self, program: Program, training: bool, params: list, states: list, x: Any,
-             target: Any, n: int, seed: int,
-             record: Recorder | None) -> tuple[Step, tuple | None]:
+    def _begin(self, program: Program, call: int, x: Any, target: Any,
+               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
+               record: Recorder | None) -> tuple[Step, Any]:
+        """A new step, agreed with every rank (the header), and its channel."""
+        leaves = self._param_leaves(params)
+        states = self._states(state)
+        training = call > 0
+        self.driver.calls += 1
+        seed = StepSeed([self.device])
+        try:
+            n, seed_value = self.driver.faults.guarded(
+                lambda: self.driver.header(x, seed.seed, call))
+        finally:
+            seed.restore()
+        if n < self.chunks:  # every rank knows n, so every rank raises this by itself
+            raise BatchError(f"the input batch has {n} samples, fewer than chunks="
+                             f"{self.chunks}: every micro-batch needs at least one sample")
+        return self.driver.faults.guarded(lambda: self._new_step(
+            program, training, call == 2, leaves, states, x, target, n, seed_value, record))
+
+    def _new_step(self, program: Program, training: bool, open_ended: bool, params: list,
+                  states: list, x: Any, target: Any, n: int, seed: int,
+                  record: Recorder | None) -> tuple[Step, Any]:
         owners, last = program.placement, len(params) - 1
         sizes = microbatch.sizes(n, self.chunks)
         inputs = targets = None
         if self.rank == owners[0]:
             inputs = [flatten(mb) for mb in microbatch.split(_to(x, self.device), self.chunks)]
-        if self.rank == owners[last] and training and target is not None:
+        if self.rank == owners[last] and training and not open_ended and target is not None:
             m = microbatch.batch_size(target, "target")
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(_to(target, self.device), self.chunks, "target")
         clock = None if record is None else record.clock(
             owners, program.n_workers, [self.device] * program.n_stages)
-        step = Step(params, states, inputs, targets, [size / n for size in sizes], sizes, seed,
-                    training, lambda: None, clock=clock)
-        plan = compiled(self._compiled, program, training, self.stateful)
-        orders = self._orders.get((program, training))
-        if orders is None:  # each link's keys in the order they are sent, once per program
-            orders = self._orders[program, training] = send_orders(
-                plan, owners, [stashes(fn) for fn in self.stages],
-                [pops(fn) for fn in self.stages], self.interpreter.routes)
-        channel = RankChannel(self.rank, owners, orders, self.links, self.faults, self.wire,
-                              self._known)
-        self.interpreter.run(step, plan[self.rank], channel)
-        if self.faults.broken is not None:  # another rank failed while this one waited
-            raise self.faults.broken
-        if step.error is not None:
-            raise at_rank(step.error, self.rank)
-        channel.flush()
-        if clock is not None:
-            clock.finish()
-        return step, self._finish(step, owners[last], training)
-
-    def _batch_header(self, x: Any, first: int, seed: int, training: bool) -> tuple[int, int]:
-        """The batch size and the step's seed, from the rank of stage 0 to all, with what that
-        rank was called for: ranks whose calls differ stop rather than exchange wrong values."""
-        call = (int(training), self._calls)
-        header = torch.zeros(4, dtype=torch.int64, device=self.wire)
-        if self.rank == first:
-            if x is None:
-                raise BatchError(f"rank {self.rank} holds stage 0, so it needs the input x")
-            header[:] = torch.tensor([microbatch.batch_size(x, "input"), seed, *call])
-        self.faults.wait(dist.broadcast(header, first, group=self.group, async_op=True),
-                         f"the batch size from rank {first}", first)
-        n, seed, *theirs = header.tolist()
-        if tuple(theirs) != call:
-            raise RuntimeError(f"rank {self.rank} was called for {_call_name(*call)} but rank "
-                               f"{first} for {_call_name(*theirs)}: every rank must make the "
-                               f"same calls in the same order")
-        return n, seed
-
-    def _finish(self, step: Step, last: int, training: bool) -> tuple | None:
-        """Broadcast the loss (its sum, dtype and each micro-batch's part) from the rank of the
-        last stage; every step ends in lockstep. Returns ``(loss, parts)`` in training."""
-        message = torch.zeros(2 + self.chunks, dtype=torch.float64, device=self.wire)
-        if self.rank == last and training:
-            losses = torch.stack(step.outputs).detach()
-            message[0], message[1] = losses.sum(), _FLOATS.index(losses.dtype)
-            message[2:] = losses
-        self.faults.wait(dist.broadcast(message, last, group=self.group, async_op=True),
-                         f"the loss from rank {last}", last)
-        if not training:
-            return None
-        return message[0].to(self.device, _FLOATS[int(message[1])]), message[2:]
+        weights = [1.0] * len(sizes) if open_ended else [size / n for size in sizes]
+        step = Step(params, states, inputs, targets, weights, sizes, seed, training,
+                    lambda: None, open_ended=open_ended, clock=clock)
+        plan = self.driver.plan(program, training, self.stateful)
+        return step, self.driver.channel(program, training, plan)
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -374,10 +387,6 @@ class DistributedPipeline:
             check_params(params, {s: self.device for s in self.stages_held})
         return [[leaf.detach() for leaf in optree.tree_leaves(params[s])] if s in params
                 else None for s in range(self.program.n_stages)]
-
-
-def _call_name(training: int, count: int) -> str:
-    return f"{'value_and_grad' if training else 'inference'} (call {count})"
 
 
 def _to(tree: Any, device: torch.device) -> Any:

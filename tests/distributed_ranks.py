@@ -470,7 +470,36 @@ def seqlen(rank: int, world: int) -> dict:
     return out
 
 
+def vjp_case():
+    """(stages, schedule, x, cotangent, (x, target) of a later step) of the vjp scenario."""
+    x, cotangent = data(7, 8, seed=15)
+    return [block, block], fdist_schedule("gpipe", 3), x, cotangent, data(5, 8, seed=16)
+
+
+def vjp(rank: int, world: int) -> dict:
+    """A step in two calls: ``pipe.vjp(x)``, then its ``vjp_fn``; what is refused around it;
+    a whole step after it; and a schedule that cannot run in two calls."""
+    stages, schedule, x, cotangent, (x2, target2) = vjp_case()
+    full = mlp_params(2)
+    pipe = fdist.pipeline(stages, {rank: full[rank]}, schedule=schedule, loss_fn=mse,
+                          timeout=20)
+    out = {}
+    y, vjp_fn = pipe.vjp(x if rank == 0 else None)
+    out["y"] = y
+    out["refused"] = _outcome(pipe.value_and_grad, x2 if rank == 0 else None,
+                              target2 if rank == 1 else None)
+    out["grads"] = vjp_fn(cotangent if rank == 1 else None)
+    out["again"] = _outcome(vjp_fn, cotangent if rank == 1 else None)
+    out["after"] = pipe.value_and_grad(x2 if rank == 0 else None,
+                                       target2 if rank == 1 else None)
+    other = fdist.pipeline(stages, {rank: full[rank]}, schedule=fdist_schedule("1f1b", 3),
+                           loss_fn=mse, timeout=20)
+    out["1f1b"] = _outcome(other.vjp, x if rank == 0 else None)
+    return out
+
+
 SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies,
              "rank_stalls": rank_stalls, "stateful": stateful, "large": large,
              "large_cuda": large_cuda, "concurrent": concurrent,
-             "options": options, "seqlen": seqlen}
+             "options": options, "seqlen": seqlen,
+             "vjp": vjp}
