@@ -124,6 +124,11 @@ MUTANTS = (
            "    x, state, popped, drew = step.saved.pop((stage, microbatch))\n"
            "    step.state[stage] = state\n",
            ("tests/test_state.py",)),
+    # -- the distributed channel ---------------------------------------------------------------
+    Mutant("a value whose shapes changed sent as if they had not", "_runtime/p2p.py",
+           "blob = b\"\" if known is not None and _same(known.meta, meta) else",
+           "blob = b\"\" if known is not None else",
+           ("tests/test_distributed.py::test_training_with_a_new_sequence_length_every_step",)),
 )
 
 
