@@ -4,9 +4,12 @@ Rank ``w`` runs worker ``w``'s actions with :class:`fpipe._runtime.interpreter.I
 stage computes exactly what it computes in the local driver. Only the channel differs: values
 cross ranks as point-to-point messages (:mod:`fpipe._runtime.p2p`: one message per value once
 shapes repeat, receives posted ahead, shapes free to change from step to step, no deadlock on
-gloo or NCCL). Each step starts with a header broadcast from the rank of stage 0 (the batch
-size, the step's random seed, what that rank was called for: ranks called differently raise,
-not mix) and ends with the loss broadcast from the rank of the last stage.
+gloo or NCCL). This module is the public face: checks, micro-batching and results, as
+``fpipe.pipeline``'s, with the same shared checks (:mod:`fpipe._runtime.engine`,
+:mod:`fpipe._runtime.placement`). :class:`fpipe._runtime.rank_driver.RankDriver` runs each step
+in lockstep: a header broadcast from the rank of stage 0 (the batch size, the step's random
+seed, what that rank was called for: ranks called differently raise, not mix), this rank's
+actions, the loss broadcast from the rank of the last stage.
 
 Failure (:mod:`fpipe._runtime.faults`): every wait is bounded by ``timeout``. A rank whose stage
 raises re-raises the stage's own exception (fpipe's own detections are
