@@ -8,7 +8,9 @@ program::
     loss, grads = pipe.value_and_grad(x, target)
 """
 
-from fpipe import amp, checkpoint, optim
+import logging
+
+from fpipe import amp, optim, saving
 from fpipe.errors import BatchError, NonFiniteLossError, PlacementError, StageError
 from fpipe.module import GPipe
 from fpipe.pipeline import Pipeline, pipeline
@@ -30,9 +32,12 @@ from fpipe.timeline import Recorder
 
 __version__ = "0.1.0"
 
+# Silent unless the application configures logging (see fpipe._runtime.log for what is logged).
+logging.getLogger("fpipe").addHandler(logging.NullHandler())
+
 __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "gpipe", "one_f_one_b",
     "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
-    "NonFiniteLossError", "amp", "checkpoint", "optim", "Recorder",
+    "NonFiniteLossError", "amp", "optim", "saving", "Recorder",
 ]

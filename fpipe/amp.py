@@ -9,10 +9,13 @@ For parameters kept in ``bfloat16``, train float32 master copies (:func:`cast`) 
 pipeline with ``grad_dtype=torch.float32``, so that gradients are summed over micro-batches in
 float32 and match the masters' dtype.
 
-``float16`` gradients overflow easily; :class:`LossScaler` multiplies the loss by a large
-scale, divides the gradients by it, checks every stage's gradients for inf and NaN on their
-own devices, and adapts the scale: the policy of ``torch.amp.GradScaler``, for gradient pytrees
-spread over devices.
+``float16`` gradients overflow easily. With a ``torch.optim`` optimiser, use PyTorch's own
+``torch.amp.GradScaler`` unchanged: ``loss_fn=lambda y, t: scaler.scale(loss(y, t))``, then
+``fpipe.optim.bind_grads(params, grads)``, ``scaler.step(optimizer)``, ``scaler.update()``
+(its ``state_dict`` saves and restores it as usual). :class:`LossScaler` is the same policy
+for what ``GradScaler`` cannot serve: functional updates (``fpipe.optim.sgd``, any update of
+parameter pytrees without a ``torch.optim`` optimiser), since ``GradScaler`` unscales and
+checks only through an optimiser's parameters' ``.grad``.
 """
 
 from __future__ import annotations
@@ -29,26 +32,40 @@ __all__ = ["autocast", "Autocast", "cast", "LossScaler"]
 
 
 class Autocast:
-    """A stage run under ``torch.autocast(device_type, dtype)``; see :func:`autocast`."""
+    """A stage run under ``torch.autocast``; see :func:`autocast`. It names the stage it wraps
+    in ``__wrapped__``, so fpipe sees a compiled stage inside (and differentiates it so that
+    it runs compiled)."""
 
-    def __init__(self, stage: Callable, device_type: str, dtype: torch.dtype) -> None:
-        self.stage = stage
+    def __init__(self, stage: Callable, device_type: str | None, dtype: torch.dtype) -> None:
+        self.stage = self.__wrapped__ = stage
         self.device_type = device_type
         self.dtype = dtype
 
     def __call__(self, *args: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
+        device_type = self.device_type or _device_type(args)
+        with torch.autocast(device_type, dtype=self.dtype):
             return self.stage(*args)
 
     def __repr__(self) -> str:
         return f"autocast({self.stage!r}, {self.device_type!r}, {self.dtype})"
 
 
-def autocast(stage: Callable, device_type: str = "cpu",
+def _device_type(args: tuple) -> str:
+    """The device type of a stage call: its first tensor's (parameters first, then input)."""
+    for leaf in optree.tree_leaves(args, none_is_leaf=False):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+def autocast(stage: Callable, device_type: str | None = None,
              dtype: torch.dtype = torch.bfloat16) -> Callable:
-    """``stage`` run under ``torch.autocast(device_type, dtype=dtype)`` (a ``skippable``
-    stage keeps its skips). To compile it too, compile the result:
-    ``torch.compile(autocast(stage))``."""
+    """``stage`` run under ``torch.autocast(device_type, dtype=dtype)``, where the stage runs
+    (in whichever worker thread). ``device_type`` is by default that of the stage's tensors
+    (its parameters, or for a stage without parameters its input), so the same wrapper casts
+    on a CUDA stage and on a CPU one. A ``skippable`` stage keeps its skips; a compiled stage
+    stays compiled, whichever wraps which: ``autocast(torch.compile(stage))`` and
+    ``torch.compile(autocast(stage))`` both run compiled graphs."""
     if isinstance(stage, Skippable):
         return Skippable(Autocast(stage.fn, device_type, dtype), stage.stash, stage.pop)
     return Autocast(stage, device_type, dtype)
@@ -66,7 +83,8 @@ def cast(tree: Any, dtype: torch.dtype) -> Any:
 
 
 class LossScaler:
-    """Dynamic loss scaling across a pipeline's stages::
+    """Dynamic loss scaling across a pipeline's stages, for functional updates (with a
+    ``torch.optim`` optimiser, ``torch.amp.GradScaler`` does the same; see the module)::
 
         scaler = LossScaler()
         pipe = fpipe.pipeline(stages, params, schedule=..., loss_fn=scaler.scaled(loss_fn),

@@ -37,7 +37,13 @@ import torch.distributed as dist
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
 from fpipe._runtime.driver import _after_forwards, _forwards
-from fpipe._runtime.engine import check_options, input_grads, nonfinite_error, output_cotangent
+from fpipe._runtime.engine import (
+    check_options,
+    check_stages,
+    input_grads,
+    nonfinite_error,
+    output_cotangent,
+)
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.placement import check_params, check_state, stage_devices
@@ -82,7 +88,7 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
              loss_fn: Callable | None = None, device: torch.device | str | None = None,
              timeout: float = 60.0, state: Mapping[int, Any] | None = None,
              nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-             autodiff: str = "func") -> DistributedPipeline:
+             autodiff: str = "autograd") -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
     ``schedule`` and ``loss_fn``.
 
@@ -121,13 +127,14 @@ class DistributedPipeline:
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, state: Mapping[int, Any] | None = None,
                  nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-                 autodiff: str = "func") -> None:
+                 autodiff: str = "autograd") -> None:
         check_options(nonfinite, grad_dtype)
         self.nonfinite = nonfinite
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
         self.stages = stages = list(stages)
+        check_stages(stages)
         program = program_of(schedule, len(stages))
         # Validated and compiled once, before anything reads the placement.
         self._compiled: dict = {}
@@ -160,8 +167,8 @@ class DistributedPipeline:
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False)  # one thread a rank: every draw seeded
-        self.driver = RankDriver(self.rank, program, stages, self.interpreter, self.device,
-                                 timeout, self._compiled)
+        self.driver = RankDriver(self.rank, program, self.interpreter, self.device, timeout,
+                                 self._compiled)
         self.group, self.wire = self.driver.group, self.driver.wire
         self._running = threading.Lock()
         self._pending: object | None = None  # the step a vjp began, until its vjp_fn runs

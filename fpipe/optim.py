@@ -4,8 +4,10 @@ A pipeline returns gradients as pytrees shaped like its parameters, each leaf on
 device. ``torch.optim`` optimisers read ``.grad`` from the parameter tensors, so
 :func:`bind_grads` puts each gradient there; torch.func users who keep parameters as values
 take :func:`sgd` instead. :func:`clip_grad_norm` clips by one norm over every stage's
-gradients, as ``torch.nn.utils.clip_grad_norm_`` does for one model, while each stage's
-gradients stay on their device: only one scalar per device moves.
+gradients, as ``torch.nn.utils.clip_grad_norm_`` does for one model (in place, as it does),
+while each stage's gradients stay on their device: only one scalar per device moves.
+(``torch.nn.utils.clip_grads_with_norm_`` clips the ``.grad`` of parameters, not gradient
+tensors, so the scaling is done here.)
 """
 
 from __future__ import annotations
@@ -40,34 +42,49 @@ def sgd(params: Any, grads: Any, lr: float) -> Any:
 def global_norm(grads: Any) -> torch.Tensor:
     """The 2-norm of all gradient leaves together, on the first leaf's device.
 
-    Each device sums the squares of its own leaves (in at least float32); only those partial
-    sums, one scalar per device, are moved and added.
+    Each device takes the norm of its own leaves, and only those norms, one scalar per device,
+    are moved: through ``torch.nn.utils.get_total_norm`` (foreach, grouped by device and
+    dtype) where the installed torch has it (2.6 and later). Gradients in float16 or bfloat16
+    are summed in float32 instead, which torch's function does not do (its norm would have
+    the gradients' precision).
     """
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for leaf in optree.tree_leaves(grads):
-        by_device.setdefault(leaf.device, []).append(leaf)
-    if not by_device:
+    leaves = optree.tree_leaves(grads)
+    if not leaves:
         raise ValueError("no gradients to take the norm of")
-    first = next(iter(by_device))
-    partial = []
-    for leaves in by_device.values():
-        dtype = torch.promote_types(leaves[0].dtype, torch.float32)
-        norms = torch._foreach_norm([leaf.to(dtype) for leaf in leaves])
-        partial.append(torch.stack(norms).square().sum().to(first))
-    return torch.stack(partial).sum().sqrt()
+    if _TORCH_CLIPPING and all(leaf.dtype.itemsize >= 4 for leaf in leaves):
+        return torch.nn.utils.get_total_norm(leaves, 2.0)
+    return _total_norm(leaves)
 
 
 def clip_grad_norm(grads: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, torch.Tensor]:
-    """``(clipped grads, norm before clipping)``: every leaf scaled by
+    """``(grads, norm before clipping)``, every leaf scaled **in place** by
     ``min(1, max_norm / (norm + eps))``, the rule of ``torch.nn.utils.clip_grad_norm_``, with
-    one norm over every stage's gradients (:func:`global_norm`)."""
+    one norm over every stage's gradients (:func:`global_norm`). Each device scales its own
+    leaves (one foreach multiply per device and dtype) by the one factor, moved once."""
     norm = global_norm(grads)
     scale = (max_norm / (norm + eps)).clamp(max=1.0)
-    scales: dict[torch.device, torch.Tensor] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for leaf in optree.tree_leaves(grads):
+        groups.setdefault((leaf.device, leaf.dtype), []).append(leaf)
+    with torch.no_grad():
+        for (device, dtype), leaves in groups.items():
+            torch._foreach_mul_(leaves, scale.to(device, dtype))
+    return grads, norm
 
-    def clip(grad: torch.Tensor) -> torch.Tensor:
-        if grad.device not in scales:
-            scales[grad.device] = scale.to(grad.device)
-        return grad * scales[grad.device].to(grad.dtype)
 
-    return optree.tree_map(clip, grads), norm
+# torch.nn.utils' grouped, foreach norm (torch >= 2.6); the code below for older ones.
+_TORCH_CLIPPING = hasattr(torch.nn.utils, "get_total_norm")
+
+
+def _total_norm(leaves: list) -> torch.Tensor:
+    """:func:`global_norm` in at least float32: squares summed per device, then added."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for leaf in leaves:
+        by_device.setdefault(leaf.device, []).append(leaf)
+    first = next(iter(by_device))
+    partial = []
+    for group in by_device.values():
+        dtype = torch.promote_types(group[0].dtype, torch.float32)
+        norms = torch._foreach_norm([leaf.to(dtype) for leaf in group])
+        partial.append(torch.stack(norms).square().sum().to(first))
+    return torch.stack(partial).sum().sqrt()

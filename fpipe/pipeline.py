@@ -17,8 +17,17 @@ import torch
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
 from fpipe._runtime.driver import LocalDriver
-from fpipe._runtime.engine import check_options, input_grads, nonfinite_error, output_cotangent
+from fpipe._runtime.engine import (
+    check_options,
+    check_stages,
+    input_grads,
+    nonfinite_error,
+    output_cotangent,
+    returned_loss,
+)
+from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.trees import tree_map
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import program_of
 from fpipe.timeline import Recorder
@@ -32,7 +41,7 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
              state: Sequence[Any] | None = None, nonfinite: str = "raise",
-             grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> Pipeline:
+             grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -57,10 +66,15 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             returns the loss as it is, for callers that check it themselves (loss scaling).
         grad_dtype: the dtype gradients are accumulated and returned in, e.g. ``torch.float32``
             for ``bfloat16`` parameters (see :mod:`fpipe.amp`); by default the parameters'.
-        autodiff: how each stage's vjp is taken: ``"func"`` (the default), with
-            ``torch.func.vjp``, or ``"autograd"``, the same vjp through ``torch.autograd``,
-            which skips functorch's per-op wrapping and so halves the driver's cost per action
-            on small stages (``benchmarks/dispatch_overhead.py``). Gradients are the same.
+        autodiff: how each stage's vjp is taken: ``"autograd"`` (the default), through
+            ``torch.autograd`` on detached inputs, which works with everything a stage may use
+            (``torch.utils.checkpoint``, Hugging Face gradient checkpointing, functions made
+            by ``torch.compile``, which it runs compiled) and costs the least per action; or
+            ``"func"``, with ``torch.func.vjp``, the engine of fpipe 0.1's default: the same
+            gradients (``tests/test_pipeline.py`` compares them), but saved-tensor hooks
+            (``torch.utils.checkpoint``) fail under it and a compiled function it meets runs
+            uncompiled. Choose it only to compare, or for code that needs functorch's
+            transform levels around the stage's own operations.
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
                     state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff)
@@ -86,7 +100,7 @@ class Pipeline:
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
                  state: Sequence[Any] | None = None, nonfinite: str = "raise",
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
@@ -94,10 +108,7 @@ class Pipeline:
             raise ValueError(f"got {len(stages)} stages but {len(params)} parameter pytrees: "
                              f"give one pytree per stage (an empty dict for a stage without "
                              f"parameters)")
-        for s, stage in enumerate(stages):
-            if not callable(stage):
-                raise TypeError(f"stage {s} is a {type(stage).__name__}, not a callable "
-                                f"stage(params, x) -> y")
+        check_stages(stages)
         if devices is not None and len(devices) != len(stages):
             raise ValueError(f"got {len(stages)} stages but {len(devices)} devices")
         if state is not None and len(state) != len(stages):
@@ -127,6 +138,9 @@ class Pipeline:
                                    grad_dtype=grad_dtype, autodiff=autodiff)
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
+        self._times = StepTimes()
+        logger.info("%r: a program of %d workers and %d micro-batches", self,
+                    program.n_workers, program.n_microbatches)
 
     @property
     def chunks(self) -> int:
@@ -143,8 +157,9 @@ class Pipeline:
         a stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the
         step's timeline."""
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
-        outputs, new_state = self._driver.infer(self.inference_program, leaves, states, inputs,
-                                                sizes, record)
+        with self._times.step("forward step"):
+            outputs, new_state = self._driver.infer(self.inference_program, leaves, states,
+                                                    inputs, sizes, record)
         y = microbatch.join(outputs)
         return (y, new_state) if self.stateful else y
 
@@ -166,13 +181,14 @@ class Pipeline:
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(self._to(target, self.devices[-1]), self.chunks, "target")
-        result = self._driver.train(self.program, leaves, states, inputs, targets,
-                                    [size / n for size in sizes], sizes, record)
+        with self._times.step("training step"):
+            result = self._driver.train(self.program, leaves, states, inputs, targets,
+                                        [size / n for size in sizes], sizes, record)
         losses = torch.stack(result.losses)
         error = nonfinite_error(losses) if self.nonfinite == "raise" else None
         if error is not None:
             raise error
-        loss = losses.sum()
+        loss = returned_loss(losses.sum())
         grads = self._grad_trees(result.grads)
         return (loss, grads, result.state) if self.stateful else (loss, grads)
 
@@ -273,6 +289,5 @@ class Pipeline:
         # stream, which the step's streams wait for. A copy to the CPU must be complete when
         # the CPU stage (or the caller) reads it.
         non_blocking = device.type == "cuda"
-        return optree.tree_map(
-            lambda leaf: leaf.to(device, non_blocking=non_blocking)
-            if isinstance(leaf, torch.Tensor) else leaf, tree)
+        return tree_map(lambda leaf: leaf.to(device, non_blocking=non_blocking)
+                        if isinstance(leaf, torch.Tensor) else leaf, tree)

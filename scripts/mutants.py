@@ -70,8 +70,8 @@ MUTANTS = (
            "_mix(self.seed, self.stage, self.microbatch, i)", "_mix(self.seed, self.stage, 0, i)",
            ("tests/test_rng.py", "tests/test_pipeline.py"), quick=True),
     Mutant("a recompute given the state after its forward", "_runtime/instructions.py",
-           "step.saved[stage, microbatch] = (x, state, popped, drawing.drew)",
-           "step.saved[stage, microbatch] = (x, step.state[stage], popped, drawing.drew)",
+           "step.saved[stage, microbatch] = (inputs, state, drawing.drew)",
+           "step.saved[stage, microbatch] = (inputs, step.state[stage], drawing.drew)",
            ("tests/test_state.py",), quick=True),
     # -- the correctness issue's own defects, back again ---------------------------------------
     Mutant("an unseeded draw trusted (random numbers learnt once)", "_runtime/rng.py",
@@ -92,8 +92,8 @@ MUTANTS = (
     Mutant("in-place writes not watched", "_runtime/autodiff.py",
            "            if tensor._version != version:", "            if False:",
            ("tests/test_purity.py",), quick=True),
-    Mutant("the last stage's batch size not checked", "_runtime/autodiff.py",
-           "if size is not None:  # the last stage keeps the micro-batch too",
+    Mutant("the last stage's batch size not checked", "_runtime/adapters.py",
+           "if mb.size is not None:  # the last stage keeps the micro-batch too",
            "if False:",
            ("tests/test_errors.py",), quick=True),
     Mutant("the backward half waits on the caller's thread", "_runtime/driver.py",
@@ -120,8 +120,8 @@ MUTANTS = (
            "return [base for i in range(chunks)]",
            ("tests/test_microbatch.py", "tests/test_pipeline.py")),
     Mutant("a recompute's new state kept", "_runtime/instructions.py",
-           "    x, state, popped, drew = step.saved.pop((stage, microbatch))\n",
-           "    x, state, popped, drew = step.saved.pop((stage, microbatch))\n"
+           "    inputs, state, drew = step.saved.pop((stage, microbatch))\n",
+           "    inputs, state, drew = step.saved.pop((stage, microbatch))\n"
            "    step.state[stage] = state\n",
            ("tests/test_state.py",)),
     # -- the distributed channel ---------------------------------------------------------------

@@ -101,3 +101,22 @@ def test_a_nan_on_any_stage_marks_the_step_not_finite():
     unscaled, finite = scaler.unscale(grads)
     assert not finite
     torch.testing.assert_close(unscaled[0]["w"], torch.full((3,), 0.25))
+
+
+def test_autocast_defaults_to_the_stages_device_type():
+    """No device type given: the stage's tensors say it (on CUDA stages, "cuda"; the old
+    default "cpu" did nothing there), here for a stage with parameters and one without."""
+    seen = []
+
+    def noting(p, x):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                    else None)
+        return torch.tanh(x @ p["w"]) if p else x * 2
+
+    params = [mlp_params(1, dtype=torch.float32)[0], {}]
+    x, t = data()
+    with fpipe.pipeline([amp.autocast(noting)] * 2, params, schedule=gpipe(chunks=2),
+                        loss_fn=mse) as pipe:
+        assert pipe(x).dtype == torch.bfloat16
+    assert seen == [torch.bfloat16] * 4
+    assert amp.autocast(noting).device_type is None

@@ -102,3 +102,38 @@ def test_compiled_module_stage_with_inductor_matches():
         for name in part:
             torch.testing.assert_close(part_grads[name], model.get_parameter(name).grad)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("wrap", ["autocast(compile(f))", "compile(autocast(f))",
+                                  "functools.wraps(compile(f))"])
+def test_a_wrapped_compiled_stage_runs_compiled(counter, wrap):
+    """A compiled function inside a wrapper is still seen as compiled and differentiated so
+    that it runs compiled (under torch.func.vjp it ran eagerly, silently: 0 graphs)."""
+    import functools
+
+    from fpipe import amp
+
+    def stage(p, x):
+        return torch.tanh(x @ p["w"])
+
+    def wrapped(fn):
+        @functools.wraps(fn)
+        def call(p, x):
+            return fn(p, x)
+        return call
+
+    stages = {"autocast(compile(f))": amp.autocast(torch.compile(stage, backend=counter)),
+              "compile(autocast(f))": torch.compile(amp.autocast(stage), backend=counter),
+              "functools.wraps(compile(f))": wrapped(torch.compile(stage, backend=counter))}
+    reference = amp.autocast(stage) if "autocast" in wrap else stage
+    params = mlp_params(2, dtype=torch.float32)
+    x, target = (t.float() for t in batch(8))
+    expected_loss, expected_grads = whole_batch([reference] * 2, params, x, target, mse)
+    # No remat: every forward of the compiled stage runs under the vjp.
+    with fpipe.pipeline([stages[wrap], reference], params,
+                        schedule=gpipe(chunks=2, remat="never"), loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+    assert counter.frame_count > 0
+    tolerance = dict(rtol=2e-2, atol=2e-2) if "autocast" in wrap else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, expected_loss, **tolerance)
+    assert_trees_close(grads, expected_grads, **tolerance)

@@ -260,3 +260,41 @@ def test_a_training_step_under_inference_mode_says_why_it_cannot_run():
                 pipe.value_and_grad(*data())
             y = pipe(data()[0])  # forward-only runs, in inference mode on every worker
         assert y.is_inference()
+
+
+@pytest.mark.parametrize("stage", [torch.nn.Linear(4, 4), torch.compile(torch.nn.Linear(4, 4)),
+                                   torch.nn.ReLU()], ids=["Linear", "compiled", "ReLU"])
+def test_an_nn_module_as_a_stage_is_refused_at_build(stage):
+    """A module keeps its own parameters, which fpipe would neither train nor return: refused
+    when the pipeline is built, pointing to from_modules."""
+    with pytest.raises(TypeError, match=r"stage 1 is an nn.Module .*from_modules"):
+        fpipe.pipeline([lambda p, x: x, stage], [{}, {}], schedule=fpipe.gpipe(chunks=2))
+
+
+def test_a_module_whose_forward_is_a_pure_stage_is_accepted():
+    class Scale(torch.nn.Module):
+        def forward(self, p, x):
+            return x * p["s"]
+
+    p = {"s": torch.tensor(2.0, dtype=torch.float64)}
+    x = torch.ones(4, 2, dtype=torch.float64)
+    with fpipe.pipeline([Scale()], [p], schedule=fpipe.gpipe(chunks=2)) as pipe:
+        torch.testing.assert_close(pipe(x), 2 * x)
+
+
+def test_backward_on_a_returned_loss_says_the_gradients_were_returned():
+    p = {"w": torch.ones(2, 2, dtype=torch.float64)}
+    x = torch.ones(4, 2, dtype=torch.float64)
+
+    def mean(y, t):
+        return y.mean()
+
+    with fpipe.pipeline([lambda p, x: x @ p["w"]], [p], schedule=fpipe.gpipe(chunks=2),
+                        loss_fn=mean) as pipe:
+        loss, grads = pipe.value_and_grad(x)
+        torch.testing.assert_close(loss, torch.tensor(2.0, dtype=torch.float64))
+        assert not loss.requires_grad and loss.numpy() == 2.0  # a plain tensor otherwise
+        assert repr(loss) == "tensor(2., dtype=torch.float64)"
+        for tensor in (loss, loss * 2):
+            with pytest.raises(RuntimeError, match=r"already computed the gradients.*bind_gr"):
+                tensor.backward()

@@ -58,3 +58,92 @@ def test_hf_gpt2_pipeline_trains_as_the_plain_model():
 def test_hf_example_learns(capsys):
     first, trained = load_example().main(["--steps", "10"])
     assert trained < 0.7 * first
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Model(config).double()
+
+
+def test_a_model_output_crosses_a_stage_boundary():
+    """An HF ``ModelOutput`` (registered with torch's pytree registry, not optree's) is a
+    pytree like any other: stage 0 returns the model's output object, stage 1 reads
+    ``.last_hidden_state`` from it; loss and gradients equal the unpipelined model's."""
+    from torch.func import functional_call
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    body = tiny_gpt2()
+
+    def encoder(p, ids):
+        out = functional_call(body, p, (ids,), {"use_cache": False})
+        assert isinstance(out, BaseModelOutputWithPastAndCrossAttentions)
+        return out
+
+    def head(p, out):
+        assert isinstance(out, BaseModelOutputWithPastAndCrossAttentions)
+        return out.last_hidden_state @ p["w"]
+
+    params = [{k: v.detach() for k, v in body.named_parameters()},
+              {"w": torch.randn(16, 3, dtype=torch.float64)}]
+    ids, target = torch.randint(0, 50, (6, 5)), torch.randn(6, 5, 3, dtype=torch.float64)
+
+    def mse(y, t):
+        return ((y - t) ** 2).mean()
+
+    with fpipe.pipeline([encoder, head], params, schedule=gpipe(chunks=3), loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(ids, target)
+        torch.testing.assert_close(pipe(ids), head(params[1], encoder(params[0], ids)))
+    with fpipe.pipeline([encoder], params[:1], schedule=gpipe(chunks=2)) as first:
+        out = first(ids)  # micro-batches' outputs joined into one ModelOutput
+        assert isinstance(out, BaseModelOutputWithPastAndCrossAttentions)
+        torch.testing.assert_close(out.last_hidden_state, encoder(params[0], ids).last_hidden_state)
+
+    leaves = [dict(p) for p in params]
+    for p in leaves:
+        for v in p.values():
+            v.requires_grad_(True)
+    expected = mse(head(leaves[1], encoder(leaves[0], ids)), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for part, part_grads in zip(leaves, grads):
+        for name, value in part.items():
+            torch.testing.assert_close(part_grads[name], value.grad)
+
+
+def test_hf_gradient_checkpointing_inside_a_stage():
+    """``gradient_checkpointing_enable()`` on an HF model called in a stage: the default
+    autodiff differentiates through its checkpoints; gradients equal the model's own."""
+    from torch.func import functional_call
+
+    body = tiny_gpt2()
+    body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    body.train()
+
+    def encoder(p, ids):
+        return functional_call(body, p, (ids,), {"use_cache": False}).last_hidden_state
+
+    def head(p, h):
+        return h @ p["w"]
+
+    params = [{k: v.detach() for k, v in body.named_parameters()},
+              {"w": torch.randn(16, 3, dtype=torch.float64)}]
+    ids, target = torch.randint(0, 50, (6, 5)), torch.randn(6, 5, 3, dtype=torch.float64)
+
+    def mse(y, t):
+        return ((y - t) ** 2).mean()
+
+    with fpipe.pipeline([encoder, head], params, schedule=gpipe(chunks=3, remat="never"),
+                        loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(ids, target)
+    body.zero_grad()
+    w = params[1]["w"].clone().requires_grad_(True)
+    expected = mse(body(ids, use_cache=False).last_hidden_state @ w, target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for name, value in body.named_parameters():
+        torch.testing.assert_close(grads[0][name], value.grad)
+    torch.testing.assert_close(grads[1]["w"], w.grad)

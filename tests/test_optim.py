@@ -33,11 +33,12 @@ def test_torch_optim_on_bound_grads_equals_functional_sgd():
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])
 def test_clip_grad_norm_equals_torch_on_the_whole_model(max_norm):
     grads = pipeline_grads(mlp_params(3))
-    clipped, norm = clip_grad_norm(grads, max_norm)
     # torch's own clipping over the same gradients bound to one flat list of tensors.
     leaves = [torch.zeros_like(g, requires_grad=True) for g in optree.tree_leaves(grads)]
     for leaf, g in zip(leaves, optree.tree_leaves(grads)):
         leaf.grad = g.clone()
+    clipped, norm = clip_grad_norm(grads, max_norm)
+    assert clipped is grads  # in place, as torch's
     expected_norm = torch.nn.utils.clip_grad_norm_(leaves, max_norm)
     torch.testing.assert_close(norm, expected_norm)
     for leaf, g in zip(leaves, optree.tree_leaves(clipped)):

@@ -14,7 +14,7 @@ def test_import_needs_only_torch_and_optree():
     code = ("import sys\n"
             "for name in ('transformers', 'safetensors', 'matplotlib', 'hypothesis', 'pytest'):\n"
             "    sys.modules[name] = None\n"
-            "import fpipe, fpipe.amp, fpipe.optim, fpipe.checkpoint, fpipe.stages, "
+            "import fpipe, fpipe.amp, fpipe.optim, fpipe.saving, fpipe.stages, "
             "fpipe.distributed\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 

@@ -95,4 +95,4 @@ def test_tests_that_need_an_extra_are_marked():
         if "needs_extra" in text:
             needing.add(path.name)
     assert not missing, f"mark these tests @pytest.mark.needs_extra: {missing}"
-    assert {"test_hf.py", "test_render.py", "test_checkpoint.py", "test_benchmarks.py"} <= needing
+    assert {"test_hf.py", "test_render.py", "test_saving.py", "test_benchmarks.py"} <= needing

@@ -1,104 +1,68 @@
 """One stage on one micro-batch: its forward, with or without a vjp, and its backward.
 
-Parameters and values cross this module as flat lists of leaves (optree), so any pytree optree
-knows works, not only the containers ``torch.func`` flattens itself. Only floating-point tensor
-leaves are differentiated; integer tensors (token ids, masks) and Python values travel beside
-them unchanged.
+A :class:`StageCall` runs a stage's *core* (see :mod:`fpipe._runtime.adapters`) on flat leaves
+(:mod:`fpipe._runtime.values`): the flavours of stage (state, skips, loss, compilation) were
+adapted away before, so what remains here is differentiation and the purity checks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import optree
 import torch
 from torch.func import vjp
 
-from fpipe._runtime.compiled import autograd_vjp, batch_dynamic, is_compiled
+from fpipe._runtime.adapters import Core, MicroBatch
+from fpipe._runtime.compiled import autograd_vjp
 from fpipe._runtime.split_backward import split_vjp
+from fpipe._runtime.values import Value, check_output, describe, flatten
 from fpipe.errors import StageError
 
-__all__ = ["Value", "StageCall", "flatten", "differentiable", "check_output", "describe"]
+__all__ = ["StageCall", "Value", "flatten", "check_output", "describe", "ENGINES"]
 
-
-def differentiable(leaf: Any) -> bool:
-    return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
-
-
-@dataclass(slots=True)
-class Value:
-    """A pytree passed between stages, flattened once: its leaves, structure and which leaves
-    carry gradients. A cotangent for it is a list aligned with ``grad_index``."""
-
-    leaves: list
-    spec: optree.PyTreeSpec
-    grad_index: tuple[int, ...]
-
-    def tree(self) -> Any:
-        return optree.tree_unflatten(self.spec, self.leaves)
-
-
-def flatten(tree: Any) -> Value:
-    leaves, spec = optree.tree_flatten(tree)
-    return Value(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if differentiable(leaf)))
+# How a vjp is taken: torch.func's transform, or the same vjp through torch.autograd (see
+# fpipe._runtime.compiled), which compiled stages need and which skips functorch's per-op cost.
+ENGINES = {"func": vjp, "autograd": autograd_vjp}
 
 
 class StageCall:
-    """Runs one stage, ``fn(params, x) -> y``, on flat leaves.
+    """Runs one stage's core on flat leaves.
 
-    A stateful stage is ``fn(params, state, x) -> (y, new_state)``: its state (buffers such as
-    running statistics) is an input and an output, never differentiated. A stage that pops
-    skips takes them as a last argument, a dict by name; one that stashes skips returns
-    ``(y, {name: value})`` (inside the ``(…, new_state)`` pair when stateful). Outputs are then
-    ``[y, *stashed values in the order of stashes]`` and inputs ``(x, *popped values)``.
-
-    ``loss_fn`` is given for the last stage of a training program: its forward then returns the
-    micro-batch's loss, scaled by the micro-batch's share of the mini-batch, so that the sum over
-    micro-batches is the mean over the whole batch.
+    Inputs are ``(x, *popped skips)`` and outputs ``[y, *stashed skips]``, each a
+    :class:`Value`; ``inputs_named`` and ``outputs_named`` say what each is in errors.
+    ``grad_input``: whether the inputs' gradients are wanted (not for the first stage of a
+    loss step). ``engine`` is how the vjp is taken, one of :data:`ENGINES`.
     """
 
-    def __init__(self, fn: Callable, param_spec: optree.PyTreeSpec, grad_input: bool,
-                 loss_fn: Callable | None = None, stateful: bool = False,
-                 pops: tuple[str, ...] = (), stashes: tuple[str, ...] = (),
-                 autodiff: str = "func") -> None:
-        self.fn = fn
+    def __init__(self, core: Core, param_spec: optree.PyTreeSpec, grad_input: bool,
+                 engine: Callable = vjp, inputs_named: tuple[str, ...] = ("its input x",),
+                 outputs_named: tuple[str, ...] = ("output",)) -> None:
+        self.core = core
         self.param_spec = param_spec
         self.grad_input = grad_input
-        self.loss_fn = loss_fn
-        self.stateful = stateful
-        self.pops = pops
-        self.stashes = stashes
-        # A compiled stage is differentiated by torch.autograd (see fpipe._runtime.compiled), and
-        # so is every stage with autodiff="autograd": the same vjp, without functorch's per-op cost.
-        self.compiled = is_compiled(fn)
-        self._vjp = autograd_vjp if self.compiled or autodiff == "autograd" else vjp
+        self.engine = engine
+        self.inputs_named = inputs_named
+        self.outputs_named = outputs_named
 
-    def forward(self, params: list, x: Value, state: Any = None, popped: tuple = (),
-                target: Any = None, weight: float = 1.0, size: int | None = None
-                ) -> tuple[Any, Any]:
-        """The outputs (or the scaled loss) and the new state, with no graph kept: for
-        inference and for forwards that will be recomputed. ``size`` is the micro-batch's,
-        which every output must keep on dim 0."""
-        watch = _Watch(self, params, state, x, popped)
+    def forward(self, params: list, inputs: tuple[Value, ...], state: Any,
+                mb: MicroBatch) -> tuple[list[Value], Any]:
+        """The outputs and the new state, with no graph kept: for inference and for forwards
+        that will be recomputed."""
+        watch = _Watch(self, params, state, inputs)
         with torch.no_grad():
-            y, stashed, new_state = self._apply(
-                optree.tree_unflatten(self.param_spec, params), state, x.tree(),
-                tuple(value.tree() for value in popped), target, weight, size)
+            outs, new_state = self.core(optree.tree_unflatten(self.param_spec, params), state,
+                                        tuple(value.tree() for value in inputs), mb)
         watch.check()
-        if self.loss_fn is not None:
-            return y, new_state
-        return self._outputs(y, stashed, size), new_state
+        return self._outputs(outs, mb.size), new_state
 
-    def forward_vjp(self, params: list, x: Value, state: Any = None, popped: tuple = (),
-                    target: Any = None, weight: float = 1.0, size: int | None = None,
-                    split: bool = False) -> tuple[Any, Any, Any]:
-        """The outputs (or scaled loss), the new state, and the function mapping the outputs'
-        cotangents to ``(param_grads, input_grads)``, lists of leaves in output and input
-        order; with ``split``, a :class:`~fpipe._runtime.split_backward.SplitVJP` giving the two
+    def forward_vjp(self, params: list, inputs: tuple[Value, ...], state: Any,
+                    mb: MicroBatch, split: bool = False) -> tuple[list[Value], Any, Any]:
+        """The outputs, the new state, and the function mapping the outputs' cotangents to
+        ``(param_grads, input_grads)``, lists of leaves in output and input order; with
+        ``split``, a :class:`~fpipe._runtime.split_backward.SplitVJP` giving the two
         halves."""
-        inputs = (x, *popped)
         index = [value.grad_index if self.grad_input else () for value in inputs]
         side: list = []  # what leaves the transform beside the differentiated outputs
 
@@ -110,31 +74,27 @@ class StageCall:
                 for i in where:
                     full[i] = next(grads_in)
                 trees.append(optree.tree_unflatten(value.spec, full))
-            y, stashed, new_state = self._apply(
-                optree.tree_unflatten(self.param_spec, param_leaves), state, trees[0],
-                tuple(trees[1:]), target, weight, size)
+            results, new_state = self.core(optree.tree_unflatten(self.param_spec, param_leaves),
+                                           state, tuple(trees), mb)
             state_leaves, state_spec = optree.tree_flatten(new_state)
             # Tensors that carry no gradient leave the transform as aux, which unwraps them.
             state_kept = [i for i, leaf in enumerate(state_leaves)
                           if isinstance(leaf, torch.Tensor)]
-            if self.loss_fn is not None:
-                outs, kept, grads = None, [], [y]
-            else:
-                outs = self._outputs(y, stashed, size)
-                grads = [out.leaves[i] for out in outs for i in out.grad_index]
-                if not grads:
-                    raise StageError("the stage returned no floating-point tensor, so no "
-                                     "gradient can flow back through it")
-                kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
-                        if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
+            outs = self._outputs(results, mb.size)
+            grads = [out.leaves[i] for out in outs for i in out.grad_index]
+            if not grads:
+                raise StageError("the stage returned no floating-point tensor, so no "
+                                 "gradient can flow back through it")
+            kept = [(k, i) for k, out in enumerate(outs) for i, leaf in enumerate(out.leaves)
+                    if isinstance(leaf, torch.Tensor) and i not in out.grad_index]
             side.extend((outs, kept, state_leaves, state_spec, state_kept))
             return grads, ([outs[k].leaves[i] for k, i in kept]
                            + [state_leaves[i] for i in state_kept])
 
         # Autograd itself refuses writes into the differentiated leaves: watch the others.
-        watch = _Watch(self, params, state, x, popped, index)
+        watch = _Watch(self, params, state, inputs, index)
         try:
-            primals, vjp_fn, aux = (split_vjp if split else self._vjp)(
+            primals, vjp_fn, aux = (split_vjp if split else self.engine)(
                 flat, params,
                 [value.leaves[i] for value, where in zip(inputs, index) for i in where],
                 has_aux=True)
@@ -151,70 +111,19 @@ class StageCall:
             outs[k].leaves[i] = leaf
         for i, leaf in zip(state_kept, aux[len(kept):]):
             state_leaves[i] = leaf
-        new_state = optree.tree_unflatten(state_spec, state_leaves)
-        if outs is None:
-            return primals[0], new_state, vjp_fn
         primal = iter(primals)
         for out in outs:
             for i in out.grad_index:
                 out.leaves[i] = next(primal)
-        return outs, new_state, vjp_fn
+        return outs, optree.tree_unflatten(state_spec, state_leaves), vjp_fn
 
-    def _apply(self, params: Any, state: Any, x: Any, popped: tuple, target: Any,
-               weight: float, size: int | None = None) -> tuple[Any, tuple, Any]:
-        """Call the stage (and the loss): ``(y or loss, stashed values, new state)``."""
-        if self.compiled:
-            x, popped = batch_dynamic((x, popped))
-        args = (params, state, x) if self.stateful else (params, x)
-        if self.pops:
-            args += (dict(zip(self.pops, popped)),)
-        result, new_state = self.fn(*args), None
-        if self.stateful:
-            result, new_state = _pair(result, "a stateful stage must return (y, new_state)")
-        stashed: tuple = ()
-        if self.stashes:
-            result, stash = _pair(result, "a stage that stashes skips must return "
-                                          "(y, {name: value})")
-            if not isinstance(stash, dict) or set(stash) != set(self.stashes):
-                got = sorted(stash) if isinstance(stash, dict) else type(stash).__name__
-                raise StageError(f"the stage must stash exactly {list(self.stashes)}, "
-                                 f"got {got}")
-            stashed = tuple(stash[name] for name in self.stashes)
-        if self.loss_fn is not None:
-            if size is not None:  # the last stage keeps the micro-batch too
-                check_output(flatten(result), size, "output")
-            result = self._loss(result, target, weight)
-        return result, stashed, new_state
-
-    def _outputs(self, y: Any, stashed: tuple, size: int | None) -> list[Value]:
-        """``[y, *stashed]`` flattened, each checked to keep the micro-batch's ``size``."""
-        outs = [flatten(y), *(flatten(value) for value in stashed)]
+    def _outputs(self, results: tuple, size: int | None) -> list[Value]:
+        """The core's outputs flattened, each checked to keep the micro-batch's ``size``."""
+        outs = [flatten(value) for value in results]
         if size is not None:
-            check_output(outs[0], size, "output")
-            for name, value in zip(self.stashes, outs[1:]):
-                check_output(value, size, f"stashed skip {name!r}")
+            for what, out in zip(self.outputs_named, outs):
+                check_output(out, size, what)
         return outs
-
-    def _loss(self, y: Any, target: Any, weight: float) -> torch.Tensor:
-        try:
-            loss = self.loss_fn(y, target)
-        except Exception as exc:
-            if target is None and hasattr(exc, "add_note"):
-                exc.add_note("fpipe: no target was given: value_and_grad(x) passes target=None "
-                             "to loss_fn; call value_and_grad(x, target)")
-            raise
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise StageError(f"loss_fn must return a scalar (0-dim) tensor, got {shape}")
-        if not differentiable(loss):
-            raise StageError(f"loss_fn must return a floating-point tensor, got {loss.dtype}")
-        return loss * weight
-
-
-def _pair(result: Any, message: str) -> tuple[Any, Any]:
-    if not isinstance(result, tuple) or len(result) != 2:
-        raise StageError(f"{message}, got {type(result).__name__}")
-    return result
 
 
 class _Watch:
@@ -222,17 +131,17 @@ class _Watch:
     a stage that writes into one in place is caught right after that call, before the next
     call could change the caller's tensors again, and the error names the leaf."""
 
-    __slots__ = ("call", "params", "state", "x", "popped", "tensors", "versions")
+    __slots__ = ("call", "params", "state", "inputs", "tensors", "versions")
 
-    def __init__(self, call: StageCall, params: list, state: Any, x: Value,
-                 popped: tuple, differentiated: list | None = None) -> None:
+    def __init__(self, call: StageCall, params: list, state: Any, inputs: tuple[Value, ...],
+                 differentiated: list | None = None) -> None:
         """``differentiated``: per input, the indices of leaves autograd differentiates (and
         so protects, with the parameters), when the call runs under a vjp."""
-        self.call, self.params, self.state, self.x, self.popped = call, params, state, x, popped
+        self.call, self.params, self.state, self.inputs = call, params, state, inputs
         leaves = [] if differentiated is not None else list(params)
         if state is not None:
             leaves += optree.tree_leaves(state)
-        for i, value in enumerate((x, *popped)):
+        for i, value in enumerate(inputs):
             skip = differentiated[i] if differentiated is not None else ()
             leaves += value.leaves if not skip else \
                 [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
@@ -250,36 +159,12 @@ class _Watch:
 
     def _name(self, tensor: torch.Tensor) -> str:
         trees = [("params", optree.tree_unflatten(self.call.param_spec, self.params)),
-                 ("state", self.state), ("its input x", self.x.tree()),
-                 *((f"skip {name!r}", value.tree())
-                   for name, value in zip(self.call.pops, self.popped))]
+                 ("state", self.state),
+                 *((what, value.tree())
+                   for what, value in zip(self.call.inputs_named, self.inputs))]
         for what, tree in trees:
             paths, leaves, _ = optree.tree_flatten_with_path(tree)
             for path, leaf in zip(paths, leaves):
                 if leaf is tensor:
                     return what + "".join(f"[{key!r}]" for key in path)
         return "a tensor it was given"
-
-
-def check_output(out: Value, size: int, what: str) -> None:
-    """A stage's ``what`` carries a tensor, and every tensor keeps the micro-batch's ``size``
-    on dim 0 (0-dim tensors excepted)."""
-    seen = False
-    for leaf in out.leaves:
-        if isinstance(leaf, torch.Tensor):
-            seen = True
-            if leaf.dim() > 0 and leaf.shape[0] != size:
-                raise StageError(f"the stage's {what} {describe(out.tree())} does not keep "
-                                 f"the micro-batch size {size} on dim 0 of every tensor")
-    if not seen:
-        raise StageError(f"the stage returned no tensor in its {what} (got {out.tree()!r}); it "
-                         f"must be a tensor or a pytree with tensor leaves")
-
-
-def describe(tree: Any) -> str:
-    """Shapes and dtypes of a pytree's tensor leaves, for error messages."""
-    def one(leaf: Any) -> str:
-        if isinstance(leaf, torch.Tensor):
-            return f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
-        return repr(leaf)
-    return str(optree.tree_map(one, tree, none_is_leaf=True))

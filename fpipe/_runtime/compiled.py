@@ -29,12 +29,17 @@ __all__ = ["is_compiled", "autograd_vjp", "batch_dynamic"]
 
 
 def is_compiled(stage: Callable) -> bool:
-    """Whether ``stage`` is what ``torch.compile`` returns (for a function or a module), also
-    inside a ``skippable`` declaration."""
-    if isinstance(stage, Skippable):
-        stage = stage.fn
-    return (isinstance(stage, torch._dynamo.eval_frame.OptimizedModule)
-            or hasattr(stage, "_torchdynamo_orig_callable"))
+    """Whether ``stage`` is what ``torch.compile`` returns (for a function or a module), or
+    wraps it: a ``skippable`` declaration, or any wrapper that names what it wraps in
+    ``__wrapped__`` (``functools.wraps``, :func:`fpipe.amp.autocast`)."""
+    seen: set[int] = set()
+    while stage is not None and id(stage) not in seen:
+        if (isinstance(stage, torch._dynamo.eval_frame.OptimizedModule)
+                or hasattr(stage, "_torchdynamo_orig_callable")):
+            return True
+        seen.add(id(stage))
+        stage = stage.fn if isinstance(stage, Skippable) else getattr(stage, "__wrapped__", None)
+    return False
 
 
 def batch_dynamic(tree: Any) -> Any:

@@ -71,7 +71,7 @@ class LocalDriver:
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
                  devices: Sequence[torch.device], n_workers: int,
                  loss_fn: Callable | None, stateful: bool = False,
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "func") -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> None:
         self.devices = list(devices)
         self.stateful = stateful
         self.transport = Transport(self.devices)

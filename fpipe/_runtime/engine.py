@@ -5,6 +5,8 @@ two cannot drift."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -12,7 +14,8 @@ import torch
 
 from fpipe.errors import NonFiniteLossError
 
-__all__ = ["check_options", "nonfinite_error", "output_cotangent", "input_grads"]
+__all__ = ["check_options", "check_stages", "nonfinite_error", "returned_loss",
+           "output_cotangent", "input_grads"]
 
 NONFINITE = ("raise", "ignore")
 
@@ -25,6 +28,36 @@ def check_options(nonfinite: str, grad_dtype: torch.dtype | None) -> None:
         raise TypeError(f"grad_dtype must be a floating-point torch.dtype, got {grad_dtype!r}")
 
 
+def check_stages(stages: Sequence[Any]) -> None:
+    """Every stage is a function ``stage(params, x)``; an ``nn.Module`` (whose parameters would
+    be neither trained nor returned) is refused, pointing to the adapter that makes stages of
+    modules."""
+    for s, stage in enumerate(stages):
+        module = getattr(stage, "_orig_mod", stage)  # what torch.compile(module) wraps
+        if isinstance(module, torch.nn.Module) and not _takes_params(module):
+            raise TypeError(
+                f"stage {s} is an nn.Module ({type(module).__name__}); fpipe stages are "
+                f"functions stage(params, x) -> y of explicit parameters, which fpipe "
+                f"differentiates and returns gradients for. Make stages of modules with "
+                f"fpipe.stages.from_modules([...]) (or from_sequential for an nn.Sequential) "
+                f"and pass its .stages and .params; or use fpipe.GPipe, the nn.Module face")
+        if not callable(stage):
+            raise TypeError(f"stage {s} is a {type(stage).__name__}, not a callable "
+                            f"stage(params, x) -> y")
+
+
+def _takes_params(module: torch.nn.Module) -> bool:
+    """A module without parameters or buffers whose forward takes ``(params, x)``: a pure
+    stage written as a module."""
+    if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+        return False
+    try:
+        inspect.signature(module.forward).bind(None, None)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def nonfinite_error(losses: torch.Tensor) -> NonFiniteLossError | None:
     """The error for a step whose micro-batch losses (a 1-d tensor) are not all finite; one
     host synchronisation on CUDA."""
@@ -35,6 +68,26 @@ def nonfinite_error(losses: torch.Tensor) -> NonFiniteLossError | None:
         f"the loss is not finite on micro-batch(es) {bad} (values "
         f"{[losses[m].item() for m in bad]}); no gradient was returned. Build the pipeline with "
         f"nonfinite='ignore' to handle this yourself", bad)
+
+
+class ReturnedLoss(torch.Tensor):
+    """The loss a step returns: a plain tensor (no graph, ``.numpy()`` works) whose
+    ``backward()`` says that the gradients were returned with it, instead of torch's "does not
+    require grad". Tensors computed from it are of this type too, and say the same."""
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "backward() on a loss fpipe returned: the pipeline has already computed the "
+            "gradients and returned them (loss, grads = pipe.value_and_grad(x, target)); "
+            "nothing is stored in .grad. Bind them to your tensors for a torch.optim "
+            "optimiser with fpipe.optim.bind_grads(params, grads)")
+
+    def __repr__(self, **kwargs: Any) -> str:
+        return repr(self.as_subclass(torch.Tensor))
+
+
+def returned_loss(loss: torch.Tensor) -> ReturnedLoss:
+    return loss.as_subclass(ReturnedLoss)
 
 
 def output_cotangent(out: Any, piece: Any, microbatch: int) -> list:

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fpipe._runtime.autodiff import StageCall, Value, describe
+from fpipe._runtime.autodiff import StageCall
 from fpipe._runtime.rng import UnseededDraws
 from fpipe._runtime.step import Channel, Step
+from fpipe._runtime.values import Value, describe
 from fpipe.errors import StageError, Where, locate
 from fpipe.recompute import recomputing
 from fpipe.schedules.actions import Action, Op, Program
@@ -144,29 +145,28 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     x = step.inputs[microbatch] if stage == 0 else \
         channel.receive(("x", stage, microbatch), device)
     job.received = x
-    popped = tuple(channel.receive(("s", name, microbatch), device) for name in call.pops)
-    target = step.targets[microbatch] if step.targets is not None else None
-    state = step.state[stage]
+    inputs = (x, *(channel.receive(("s", name, microbatch), device)
+                   for name in interpreter.pops[stage]))
+    state, mb = step.state[stage], step.batch[microbatch]
     dropped = not kind.keep and step.training  # to be recomputed
-    args = (step.params[stage], x, state, popped, target, step.weights[microbatch],
-            step.sizes[microbatch])
     with interpreter.transport.compute(device), \
             interpreter.random.scope(step.seed, stage, microbatch, step.training, step.seeded,
                                      check=dropped) as drawing, \
             job.timed(kind, stage, microbatch):
         if kind.keep:
-            outs, step.state[stage], vjp_fn = call.forward_vjp(*args, split=kind.split)
-            step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, x, popped))
+            outs, step.state[stage], vjp_fn = call.forward_vjp(
+                step.params[stage], inputs, state, mb, split=kind.split)
+            step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, inputs))
         else:
-            outs, step.state[stage] = call.forward(*args)
+            outs, step.state[stage] = call.forward(step.params[stage], inputs, state, mb)
     if dropped:
-        step.saved[stage, microbatch] = (x, state, popped, drawing.drew)
-    if stage == job.last:
+        step.saved[stage, microbatch] = (inputs, state, drawing.drew)
+    if stage == job.last:  # the output, or in a loss step the micro-batch's loss
         step.outputs[microbatch] = (outs[0] if step.open_ended else
-                                    outs if step.training else outs[0].tree())
+                                    outs[0].leaves[0] if step.training else outs[0].tree())
         return
     channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch), outs[0])
-    for name, value in zip(call.stashes, outs[1:]):
+    for name, value in zip(interpreter.stashes[stage], outs[1:]):
         channel.send(value.leaves, device, interpreter.routes[name][1], ("s", name, microbatch),
                      value)
 
@@ -175,35 +175,33 @@ def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     """The forward again, from the inputs and state it saw (its new state is dropped), drawing
     the random numbers it drew; keeps the vjp for the backward."""
     step, call, interpreter = job.step, job.calls[stage], job.interpreter
-    x, state, popped, drew = step.saved.pop((stage, microbatch))
-    job.received = x
-    target = step.targets[microbatch] if step.targets is not None else None
+    inputs, state, drew = step.saved.pop((stage, microbatch))
+    job.received = inputs[0]
     with interpreter.transport.compute(interpreter.devices[stage]), \
             interpreter.random.scope(step.seed, stage, microbatch, True, step.seeded,
                                      check=True) as drawing, \
             recomputing(), job.timed(kind, stage, microbatch):
-        *_, vjp_fn = call.forward_vjp(step.params[stage], x, state, popped, target,
-                                      step.weights[microbatch], step.sizes[microbatch],
-                                      split=kind.split)
+        *_, vjp_fn = call.forward_vjp(step.params[stage], inputs, state,
+                                      step.batch[microbatch], split=kind.split)
     if drawing.drew != drew:
         raise StageError(f"the stage drew random numbers in its "
                          f"{'forward' if drew else 'recompute'} but not in its "
                          f"{'recompute' if drew else 'forward'}, so the recompute cannot "
                          f"reproduce the forward: a stage must draw alike in both")
-    step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, x, popped))
+    step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, inputs))
 
 
 def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     """A backward (B), or its input half (I, which leaves the weight half pending): the output's
     cotangent in, parameter gradients summed, input gradients sent back."""
-    step, channel, call, interpreter = job.step, job.channel, job.calls[stage], job.interpreter
+    step, channel, interpreter = job.step, job.channel, job.interpreter
     device = interpreter.devices[stage]
     cotangent: list = []
     if stage == job.last and step.open_ended:
         cotangent = list(step.output_cotangents[microbatch])
     elif stage < job.last:
         cotangent = list(channel.receive(("g", stage, microbatch), device))
-    for name in call.stashes:
+    for name in interpreter.stashes[stage]:
         cotangent += channel.receive(("t", name, microbatch), device)
     vjp_fn, counts = step.vjps.pop((stage, microbatch))
     # Everything below touches the device's tensors: on its compute stream.
@@ -231,7 +229,7 @@ def _send_input_grads(job: Job, stage: int, microbatch: int, input_grads: list,
     end = counts[0]
     job.channel.send(list(input_grads[:end]), device, stage - 1, ("g", stage - 1, microbatch),
                      None)
-    for name, count in zip(job.calls[stage].pops, counts[1:]):
+    for name, count in zip(job.interpreter.pops[stage], counts[1:]):
         job.channel.send(list(input_grads[end:end + count]), device, routes[name][0],
                          ("t", name, microbatch), None)
         end += count
@@ -249,11 +247,9 @@ def _backward_weight(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
 KINDS = _kinds()
 
 
-def _grad_counts(call: StageCall, x: Value, popped: tuple[Value, ...]) -> tuple[int, ...]:
+def _grad_counts(call: StageCall, inputs: tuple[Value, ...]) -> tuple[int, ...]:
     """How many input gradients the backward returns for ``x`` and for each popped skip."""
-    if not call.grad_input:
-        return ()
-    return (len(x.grad_index), *(len(value.grad_index) for value in popped))
+    return tuple(len(value.grad_index) for value in inputs) if call.grad_input else ()
 
 
 def located(exc: BaseException, kind: Kind | None, stage: int | None,

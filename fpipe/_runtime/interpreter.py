@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-from fpipe._runtime.autodiff import StageCall
+from fpipe._runtime.adapters import core_of
+from fpipe._runtime.autodiff import ENGINES, StageCall
+from fpipe._runtime.compiled import is_compiled
 from fpipe._runtime.instructions import Job, located
 from fpipe._runtime.rng import RandomStages
 from fpipe._runtime.step import Channel, Step
@@ -31,21 +33,24 @@ class Interpreter:
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[Any],
                  devices: Sequence[torch.device], loss_fn: Callable | None,
                  transport: Transport, stateful: bool = False,
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "func",
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
                  concurrent: bool = True) -> None:
-        if autodiff not in ("func", "autograd"):
+        if autodiff not in ENGINES:
             raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         n = len(stages)
         self.grad_dtype = grad_dtype
         self.devices = list(devices)
         self.routes = skip_routes(stages)
+        # Per stage, the names of the skips it pops (inputs after x) and stashes (outputs
+        # after y): where the handlers route them.
+        self.pops = [pops(fn) for fn in stages]
+        self.stashes = [stashes(fn) for fn in stages]
 
         def calls(grad_input: Callable[[int], bool], loss: Callable | None) -> list:
             # A ``None`` spec marks a stage this process does not hold (distributed): no call.
             return [None if spec is None else
-                    StageCall(fn, spec, grad_input=grad_input(s),
-                              loss_fn=loss if s == n - 1 else None, stateful=stateful,
-                              pops=pops(fn), stashes=stashes(fn), autodiff=autodiff)
+                    self._call(s, fn, spec, grad_input(s), stateful, autodiff,
+                               loss if s == n - 1 else None)
                     for s, (fn, spec) in enumerate(zip(stages, param_specs))]
 
         self.inference_calls = calls(lambda s: False, None)
@@ -53,6 +58,16 @@ class Interpreter:
         self.open_ended_calls = calls(lambda s: True, None)
         self.transport = transport
         self.random = RandomStages(self.devices, concurrent)
+
+    def _call(self, s: int, fn: Callable, spec: Any, grad_input: bool, stateful: bool,
+              autodiff: str, loss_fn: Callable | None) -> StageCall:
+        """Stage ``s`` adapted to a core (see :mod:`fpipe._runtime.adapters`), ready to run."""
+        return StageCall(
+            core_of(fn, stateful, loss_fn), spec, grad_input=grad_input,
+            # torch.func.vjp would run a compiled stage uncompiled (see compiled.py)
+            engine=ENGINES["autograd" if is_compiled(fn) else autodiff],
+            inputs_named=("its input x", *(f"skip {name!r}" for name in self.pops[s])),
+            outputs_named=("output", *(f"stashed skip {name!r}" for name in self.stashes[s])))
 
     def run(self, step: Step, actions: tuple, channel: Channel) -> None:
         """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail`, located

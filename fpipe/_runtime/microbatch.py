@@ -14,6 +14,7 @@ from typing import Any
 import optree
 import torch
 
+from fpipe._runtime.trees import tree_flatten, tree_flatten_with_path
 from fpipe.errors import BatchError
 
 __all__ = ["batch_size", "split", "join", "sizes"]
@@ -29,7 +30,7 @@ def _path(path: tuple) -> str:
 
 def batch_size(tree: Any, what: str = "input") -> int:
     """The common dim-0 size of the batched leaves of ``tree``; an error names disagreeing ones."""
-    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    paths, leaves, _ = tree_flatten_with_path(tree)
     found: dict[int, str] = {}
     for path, leaf in zip(paths, leaves):
         if _is_batched(leaf):
@@ -61,7 +62,7 @@ def split(tree: Any, chunks: int, what: str = "input") -> list[Any]:
             f"the {what} batch has {n} samples, fewer than chunks={chunks}: every micro-batch "
             f"needs at least one sample (use chunks <= {n}, or a larger batch)"
         )
-    leaves, spec = optree.tree_flatten(tree)
+    leaves, spec = tree_flatten(tree)
     pieces = [
         torch.tensor_split(leaf, chunks) if _is_batched(leaf) else None for leaf in leaves
     ]
@@ -75,8 +76,8 @@ def split(tree: Any, chunks: int, what: str = "input") -> list[Any]:
 
 def join(microbatches: Sequence[Any]) -> Any:
     """Concatenate micro-batch outputs along dim 0; other leaves are taken from the first."""
-    first_leaves, spec = optree.tree_flatten(microbatches[0])
-    columns = [optree.tree_flatten(mb)[0] for mb in microbatches[1:]]
+    first_leaves, spec = tree_flatten(microbatches[0])
+    columns = [tree_flatten(mb)[0] for mb in microbatches[1:]]
     joined = []
     for i, leaf in enumerate(first_leaves):
         if _is_batched(leaf):

@@ -6,7 +6,6 @@ stage 0, this rank's actions, the loss broadcast from the rank of the last stage
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +20,6 @@ from fpipe._runtime.p2p import RankChannel, make_links, send_orders
 from fpipe._runtime.step import Step
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program
-from fpipe.stages.skip import pops, stashes
 
 __all__ = ["RankDriver", "backend_for", "CALLS"]
 
@@ -40,13 +38,10 @@ class RankDriver:
     """This rank's worker of ``program``: its groups, links and failure state, built by every
     rank alike (collectively) when the pipeline is."""
 
-    def __init__(self, rank: int, program: Program, stages: Sequence[Callable],
-                 interpreter: Interpreter, device: torch.device, timeout: float,
-                 plans: dict) -> None:
+    def __init__(self, rank: int, program: Program, interpreter: Interpreter,
+                 device: torch.device, timeout: float, plans: dict) -> None:
         self.rank, self.program, self.interpreter = rank, program, interpreter
         self.device = device
-        self.stashes = [stashes(fn) for fn in stages]
-        self.pops = [pops(fn) for fn in stages]
         backend = backend_for(device)
         # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
         self.wire = device if backend == "nccl" else torch.device("cpu")
@@ -92,7 +87,8 @@ class RankDriver:
         orders = self._orders.get((program, training))
         if orders is None:
             orders = self._orders[program, training] = send_orders(
-                plan, program.placement, self.stashes, self.pops, self.interpreter.routes)
+                plan, program.placement, self.interpreter.stashes, self.interpreter.pops,
+                self.interpreter.routes)
         return RankChannel(self.rank, program.placement, orders, self.links, self.faults,
                            self.wire, self._known)
 

@@ -9,9 +9,10 @@ from typing import Any, Protocol
 
 import torch
 
-from fpipe._runtime.autodiff import Value
+from fpipe._runtime.adapters import MicroBatch
 from fpipe._runtime.split_backward import SplitVJP
 from fpipe._runtime.thread_state import ThreadState
+from fpipe._runtime.values import Value
 from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
@@ -44,9 +45,9 @@ class Step:
         self.params = params
         self.state = list(state)
         self.inputs = inputs
-        self.targets = targets
-        self.weights = weights
-        self.sizes = sizes
+        # What each micro-batch's stage calls know of it (size, target, loss weight).
+        self.batch = [MicroBatch(size, None if targets is None else targets[m], weights[m])
+                      for m, size in enumerate(sizes)]
         self.seed = seed
         # Every stage call seeded (see fpipe._runtime.rng): a step run again after UnseededDraws.
         self.seeded = seeded

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fpipe
-from fpipe import checkpoint
+from fpipe import saving
 from fpipe.optim import bind_grads
 from fpipe.schedules import gpipe
 from fpipe.stages import from_sequential
@@ -44,20 +44,20 @@ def test_checkpoint_loads_into_another_balance_and_the_plain_model(tmp_path, fmt
     three = from_sequential(model(), [2, 2, 2])
     adam3 = torch.optim.Adam(optree.tree_leaves(three.params), lr=1e-2)
     state3 = train(three, adam3, three.state, steps=2, seed=1)
-    checkpoint.save(tmp_path, three.params, state3, optimizer=adam3, format=fmt)
+    saving.save(tmp_path, three.params, state3, optimizer=adam3, format=fmt)
     assert len(list(tmp_path.glob("stage-*"))) == len(list(tmp_path.glob("optimizer-*"))) == 3
 
     # Another balance: parameters, state and Adam's moments, found by name.
     two = from_sequential(model(), [3, 3])
-    two = two._replace(params=checkpoint.load(tmp_path, like=two.params),
-                       state=checkpoint.load(tmp_path, like=two.state))
+    two = two._replace(params=saving.load(tmp_path, like=two.params),
+                       state=saving.load(tmp_path, like=two.state))
     adam2 = torch.optim.Adam(optree.tree_leaves(two.params), lr=1e-2)
-    checkpoint.load_optimizer(tmp_path, adam2, two.params)
+    saving.load_optimizer(tmp_path, adam2, two.params)
 
     # The plain model takes the flat dict as its state_dict, and computes what the 2-stage
     # pipeline computes (in one micro-batch, as BatchNorm sees the whole batch).
     plain = model()
-    plain.load_state_dict(checkpoint.load(tmp_path))
+    plain.load_state_dict(saving.load(tmp_path))
     x, t = torch.randn(8, 6), torch.randn(8, 3)
     expected = F.mse_loss(plain(x), t)
     expected.backward()
@@ -82,4 +82,4 @@ def test_checkpoint_loads_into_another_balance_and_the_plain_model(tmp_path, fmt
 def test_names_clashing_across_stages_are_refused(tmp_path):
     params = [{"w": torch.zeros(2)}, {"w": torch.zeros(2)}]
     with pytest.raises(ValueError, match="'w'"):
-        checkpoint.save(tmp_path, params)
+        saving.save(tmp_path, params)

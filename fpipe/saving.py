@@ -1,4 +1,6 @@
-"""Checkpoints of a pipeline's parameters, state and optimiser, by name, one file per stage.
+"""Saving and loading a pipeline's parameters, state and optimiser, by name, one file per
+stage. (The module is ``saving``, not ``checkpoint``: in ``fpipe.GPipe(checkpoint=...)``, as in
+torchgpipe, a checkpoint is a recomputation.)
 
 A checkpoint is a directory: ``stage-{i}`` holds stage ``i``'s parameters and state tensors,
 ``optimizer-{i}`` the optimiser's tensors for them, and ``index.json`` which names each stage

@@ -1,0 +1,65 @@
+"""Values crossing stage boundaries, flattened once: a pytree's leaves, its structure and which
+leaves carry gradients. Parameters and values cross the runtime as flat lists of leaves
+(optree), so any pytree optree knows works, not only the containers ``torch.func`` flattens
+itself. Only floating-point (and complex) tensor leaves are differentiated; integer tensors
+(token ids, masks) and Python values travel beside them unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from fpipe._runtime.trees import tree_flatten
+from fpipe.errors import StageError
+
+__all__ = ["Value", "flatten", "differentiable", "check_output", "describe"]
+
+
+def differentiable(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+@dataclass(slots=True)
+class Value:
+    """A pytree passed between stages, flattened once: its leaves, structure and which leaves
+    carry gradients. A cotangent for it is a list aligned with ``grad_index``."""
+
+    leaves: list
+    spec: optree.PyTreeSpec
+    grad_index: tuple[int, ...]
+
+    def tree(self) -> Any:
+        return optree.tree_unflatten(self.spec, self.leaves)
+
+
+def flatten(tree: Any) -> Value:
+    leaves, spec = tree_flatten(tree)
+    return Value(leaves, spec, tuple(i for i, leaf in enumerate(leaves) if differentiable(leaf)))
+
+
+def check_output(out: Value, size: int, what: str) -> None:
+    """A stage's ``what`` carries a tensor, and every tensor keeps the micro-batch's ``size``
+    on dim 0 (0-dim tensors excepted)."""
+    seen = False
+    for leaf in out.leaves:
+        if isinstance(leaf, torch.Tensor):
+            seen = True
+            if leaf.dim() > 0 and leaf.shape[0] != size:
+                raise StageError(f"the stage's {what} {describe(out.tree())} does not keep "
+                                 f"the micro-batch size {size} on dim 0 of every tensor")
+    if not seen:
+        raise StageError(f"the stage returned no tensor in its {what} (got {out.tree()!r}); it "
+                         f"must be a tensor or a pytree with tensor leaves")
+
+
+def describe(tree: Any) -> str:
+    """Shapes and dtypes of a pytree's tensor leaves, for error messages."""
+    def one(leaf: Any) -> str:
+        if isinstance(leaf, torch.Tensor):
+            return f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
+        return repr(leaf)
+    return str(optree.tree_map(one, tree, none_is_leaf=True))
