@@ -1,7 +1,7 @@
 """Pipeline scaling on the CPU: a deep stack of equal blocks over K workers, one thread each.
 
     python benchmarks/cpu_scaling.py [--quick] [--json PATH] [--workers 1 2 4 8]
-        [--chunks 8 32] [--no-distributed]
+        [--chunks 8 32] [--no-distributed | --only-distributed] [--rounds R]
 
 Torch's intra-op threads are set to 1, so a worker (thread or process) uses one core. The same
 model, batch and M micro-batches run as:
@@ -22,6 +22,11 @@ speedup = naive-1 time / step time; bound = K*M/(M+K-1), the most a fill-drain p
 gain; efficiency = speedup / bound. *check* compares the step's loss and its first gradient
 with naive-1's. K larger than the machine's cores is run only when asked (--workers), and its
 rows are marked oversubscribed. A distributed step is timed from a barrier to a barrier.
+
+``--only-distributed`` keeps naive-1 (the reference) and the spawned rows only. The spawned
+jobs run ``--rounds`` times (3 by default, 1 with --quick), every job once per round in turn,
+so a load that comes and goes on a shared machine touches every row alike; a row's step_ms is
+the median over rounds of each round's median step, and its note gives the rounds' range.
 """
 
 from __future__ import annotations
@@ -67,8 +72,13 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", help="M values (default 8; 8 32 in full)")
     p.add_argument("--model", type=int, nargs=3, metavar=("LAYERS", "WIDTH", "BATCH"),
                    help="another model size than the mode's")
-    p.add_argument("--no-distributed", action="store_true",
-                   help="only the in-process rows (no spawned ranks)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--no-distributed", action="store_true",
+                      help="only the in-process rows (no spawned ranks)")
+    only.add_argument("--only-distributed", action="store_true",
+                      help="only naive-1 and the spawned rows (fpipe.distributed, "
+                           "torch.distributed.pipelining)")
+    p.add_argument("--rounds", type=int, help="rounds of the spawned jobs (3; 1 with --quick)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = Model(*(args.model or ((8, 256, 256) if args.quick else (16, 512, 512))))
@@ -90,9 +100,10 @@ def main() -> None:
     # The quick mode spawns ranks for one K only (the largest), to stay under a minute.
     spawned = [] if args.no_distributed else \
         [max(args.workers)] if args.quick else list(args.workers)
+    rounds = args.rounds or (1 if args.quick else 3)
     for k in args.workers:
         over = f"oversubscribed: {k} workers on {cores} cores" if k > cores else ""
-        if k > 1:
+        if k > 1 and not args.only_distributed:
             def copies(k=k):
                 threads = [threading.Thread(target=naive_step, args=(params, x, target))
                            for _ in range(k)]
@@ -105,6 +116,8 @@ def main() -> None:
                             float(k), "", over))
         for m in chunks_list:
             bound = k * m / (m + k - 1)
+            if args.only_distributed:
+                continue
             if k == 1:
                 def micro_batched(m=m):
                     for xm, tm in zip(x.tensor_split(m), target.tensor_split(m)):
@@ -127,8 +140,9 @@ def main() -> None:
         if k in spawned:
             jobs = distributed_jobs(model, chunks_list, k, repeat)
             runnable = [job for *_, job in jobs if job is not None]
-            results = spawn_ranks(partial(run_jobs, strict=args.quick), k, runnable,
-                                  timeout=120 if args.quick else 1800, strict=args.quick)
+            results = spawn_ranks(partial(run_jobs, strict=args.quick), k, runnable * rounds,
+                                  timeout=120 if args.quick else 1800 * rounds,
+                                  strict=args.quick)
             for driver, name, m, job in jobs:
                 bound = k * m / (m + k - 1)
                 if job is None:
@@ -136,15 +150,20 @@ def main() -> None:
                                     TORCH_PIPELINING_MISSING or ""))
                     continue
                 j = runnable.index(job)
-                result = merge_ranks([r if r is None or isinstance(r, dict) else r[j]
-                                      for r in results])
-                if "error" in result:
+                merged = [merge_ranks([r if r is None or isinstance(r, dict)
+                                       else r[j + i * len(runnable)] for r in results])
+                          for i in range(rounds)]
+                failed = next((result for result in merged if "error" in result), None)
+                if failed is not None:
                     rows.append(row(k, m, driver, name, None, None, bound, "failed",
-                                    result["error"].strip().splitlines()[-1][:200]))
-                else:
-                    t = result["seconds"]
-                    rows.append(row(k, m, driver, name, t, naive / t, bound,
-                                    check(result, *ref), over))
+                                    failed["error"].strip().splitlines()[-1][:200]))
+                    continue
+                times = sorted(result["seconds"] for result in merged)
+                t = times[len(times) // 2]
+                spread = (f"rounds {times[0] * 1e3:.4g}-{times[-1] * 1e3:.4g} ms"
+                          if rounds > 1 else "")
+                rows.append(row(k, m, driver, name, t, naive / t, bound,
+                                check(merged[0], *ref), "; ".join(filter(None, (over, spread)))))
     report(f"CPU pipeline scaling ({model.layers} blocks of width {model.width}, batch "
            f"{model.batch}, 1 intra-op thread per worker)", COLUMNS, rows, args.json, notes)
 

@@ -20,7 +20,9 @@ from fpipe._runtime.driver import LocalDriver
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
+    input_grads,
     nonfinite_error,
+    output_cotangent,
     returned_loss,
 )
 from fpipe._runtime.log import StepTimes, logger
@@ -223,10 +225,10 @@ class Pipeline:
             used.append(True)
             pieces = microbatch.split(self._to(cotangent, self.devices[-1]), self.chunks,
                                       "cotangent")
-            cotangents = [_output_cotangent(out, piece, m)
+            cotangents = [output_cotangent(out, piece, m)
                           for m, (out, piece) in enumerate(zip(outputs, pieces))]
             grads = self._grad_trees(self._driver.finish(self.program, step, cotangents).grads)
-            return grads, _input_grads(inputs, step.input_grads)
+            return grads, input_grads(inputs, step.input_grads)
 
         return (y, vjp_fn, step.state) if self.stateful else (y, vjp_fn)
 
@@ -298,49 +300,3 @@ class Pipeline:
         non_blocking = device.type == "cuda"
         return tree_map(lambda leaf: leaf.to(device, non_blocking=non_blocking)
                         if isinstance(leaf, torch.Tensor) else leaf, tree)
-
-
-def _output_cotangent(out: Any, piece: Any, microbatch: int) -> list:
-    """The cotangents of one micro-batch's differentiable output leaves, from its piece of the
-    caller's cotangent (shaped like the output; ``None`` where a leaf gets no gradient).
-
-    A leaf without a batch dimension (a 0-dim tensor) is taken from micro-batch 0 when the
-    outputs are joined, so only micro-batch 0 receives its cotangent: given to every
-    micro-batch, its gradient would count ``chunks`` times."""
-    try:
-        leaves = out.spec.flatten_up_to(piece)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"the cotangent must have the structure of the output "
-                         f"({out.spec}): {exc}") from None
-    for i, given in enumerate(leaves):
-        if given is not None and not isinstance(given, torch.Tensor) and \
-                isinstance(out.leaves[i], torch.Tensor):
-            raise ValueError(f"the cotangent must have the structure of the output "
-                             f"({out.spec}); at a tensor of the output it has a "
-                             f"{type(given).__name__}")
-    cotangents = []
-    for i in out.grad_index:
-        leaf, given = out.leaves[i], leaves[i]
-        if given is None or (microbatch > 0 and leaf.dim() == 0):
-            given = torch.zeros_like(leaf)
-        cotangents.append(given)
-    return cotangents
-
-
-def _input_grads(inputs: list, found: list) -> Any:
-    """The input's gradient for the whole batch, shaped like the input: batched leaves joined
-    along dim 0, a 0-dim tensor given to every micro-batch summed over them, ``None`` where
-    a leaf carries no gradient."""
-    columns: list[list] = [[None] * len(inputs) for _ in inputs[0].leaves]
-    for m, (value, grads) in enumerate(zip(inputs, found)):
-        for i, grad in zip(value.grad_index, grads):
-            columns[i][m] = grad
-    joined = []
-    for leaf, column in zip(inputs[0].leaves, columns):
-        if column[0] is None:
-            joined.append(None)
-        elif leaf.dim() == 0:
-            joined.append(torch.stack(column).sum(0))
-        else:
-            joined.append(torch.cat(column))
-    return optree.tree_unflatten(inputs[0].spec, joined)

@@ -78,10 +78,10 @@ MUTANTS = (
            "                elif drew:\n                    unseeded = True",
            "                elif drew:\n                    pass",
            ("tests/test_rng.py",), quick=True),
-    Mutant("a 0-dim input's gradient not summed over micro-batches", "pipeline.py",
+    Mutant("a 0-dim input's gradient not summed over micro-batches", "_runtime/engine.py",
            "joined.append(torch.stack(column).sum(0))", "joined.append(column[0])",
            ("tests/test_vjp.py",), quick=True),
-    Mutant("a 0-dim output's cotangent given to every micro-batch", "pipeline.py",
+    Mutant("a 0-dim output's cotangent given to every micro-batch", "_runtime/engine.py",
            "if given is None or (microbatch > 0 and leaf.dim() == 0):",
            "if given is None:",
            ("tests/test_vjp.py",)),
@@ -167,6 +167,11 @@ MUTANTS = (
     Mutant("a torchgpipe-style skip across stages kept inside its stage", "stages/module_skip.py",
            "                if i != j:  # popped where it was not stashed: fpipe carries it",
            "                if False:", ("tests/test_module_skips.py",)),
+    # -- the distributed channel ---------------------------------------------------------------
+    Mutant("a value whose shapes changed sent as if they had not", "_runtime/p2p.py",
+           "blob = b\"\" if known is not None and _same(known.meta, meta) else",
+           "blob = b\"\" if known is not None else",
+           ("tests/test_distributed.py::test_training_with_a_new_sequence_length_every_step",)),
 )
 
 

@@ -429,7 +429,77 @@ def options(rank: int, world: int) -> dict:
     return result
 
 
+def seqlen_case():
+    """(schedule name, stages, steps) of the changing-shapes scenario: each step a new sequence
+    length (longer, the same again, shorter, longer than ever) and batch size (uneven last
+    micro-batches), as a language model trained on batches of varying length sees."""
+    shapes = [(7, 5), (7, 9), (7, 9), (8, 3), (6, 12), (7, 4)]
+    steps = [data(n, length, 8, seed=20 + i) for i, (n, length) in enumerate(shapes)]
+    return [("1f1b", 2), ("zbv", 4)], steps
+
+
+#: The learning rate of the changing-shapes scenario's SGD.
+SEQLEN_LR = 0.1
+
+
+def seqlen(rank: int, world: int) -> dict:
+    """Train with SGD, one step per batch of :func:`seqlen_case`, under each of its schedules:
+    each step's loss and gradients, and how many messages this rank sent in it."""
+    schedules, steps = seqlen_case()
+    out = {}
+    for name, n_stages in schedules:
+        schedule = fdist_schedule(name, 3)
+        held = fdist.my_stages(schedule, n_stages)
+        full = mlp_params(n_stages)
+        params = {s: full[s] for s in held}
+        with recording_p2p() as log:
+            pipe = fdist.pipeline([block] * n_stages, params, schedule=schedule, loss_fn=mse,
+                                  timeout=20)
+            first, last = pipe.program.placement[0], pipe.program.placement[-1]
+            results = []
+            for x, target in steps:
+                before = sum(op == "send" for op, *_ in log)
+                loss, grads = pipe.value_and_grad(x if rank == first else None,
+                                                  target if rank == last else None,
+                                                  params=params)
+                sends = sum(op == "send" for op, *_ in log) - before
+                results.append((loss, grads, sends))
+                params = {s: {k: v - SEQLEN_LR * grads[s][k] for k, v in params[s].items()}
+                          for s in held}
+        out[name] = results
+    return out
+
+
+def vjp_case():
+    """(stages, schedule, x, cotangent, (x, target) of a later step) of the vjp scenario."""
+    x, cotangent = data(7, 8, seed=15)
+    return [block, block], fdist_schedule("gpipe", 3), x, cotangent, data(5, 8, seed=16)
+
+
+def vjp(rank: int, world: int) -> dict:
+    """A step in two calls: ``pipe.vjp(x)``, then its ``vjp_fn``; what is refused around it;
+    a whole step after it; and a schedule that cannot run in two calls."""
+    stages, schedule, x, cotangent, (x2, target2) = vjp_case()
+    full = mlp_params(2)
+    pipe = fdist.pipeline(stages, {rank: full[rank]}, schedule=schedule, loss_fn=mse,
+                          timeout=20)
+    out = {}
+    y, vjp_fn = pipe.vjp(x if rank == 0 else None)
+    out["y"] = y
+    out["refused"] = _outcome(pipe.value_and_grad, x2 if rank == 0 else None,
+                              target2 if rank == 1 else None)
+    out["grads"] = vjp_fn(cotangent if rank == 1 else None)
+    out["again"] = _outcome(vjp_fn, cotangent if rank == 1 else None)
+    out["after"] = pipe.value_and_grad(x2 if rank == 0 else None,
+                                       target2 if rank == 1 else None)
+    other = fdist.pipeline(stages, {rank: full[rank]}, schedule=fdist_schedule("1f1b", 3),
+                           loss_fn=mse, timeout=20)
+    out["1f1b"] = _outcome(other.vjp, x if rank == 0 else None)
+    return out
+
+
 SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies,
              "rank_stalls": rank_stalls, "stateful": stateful, "large": large,
              "large_cuda": large_cuda, "concurrent": concurrent,
-             "options": options}
+             "options": options, "seqlen": seqlen,
+             "vjp": vjp}

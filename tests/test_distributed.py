@@ -9,17 +9,21 @@ from collections import Counter
 import pytest
 import torch
 from distributed_ranks import (
+    SEQLEN_LR,
     cases,
     concurrent_case,
     data,
+    fdist_schedule,
     fresh_state,
     full_params,
     large_case,
     local_steps,
+    seqlen_case,
     spawn,
     stateful_case,
+    vjp_case,
 )
-from models import block, mlp_params, mse, whole_batch
+from models import block, forward, mlp_params, mse, whole_batch
 
 import fpipe
 import fpipe.distributed as fdist
@@ -105,6 +109,78 @@ def test_1f1b_with_large_activations_and_changing_shapes():
             assert sorted(rank_grads) == [rank]
             torch.testing.assert_close(rank_grads[rank], expected_grads[rank], **TIGHT)
             torch.testing.assert_close(rank_grads[rank], grads[rank], **TIGHT)
+
+
+def test_training_with_a_new_sequence_length_every_step():
+    """SGD on batches whose sequence length and size change from step to step (longer, the
+    same again, shorter, longer than ever; uneven last micro-batches) matches SGD on the whole
+    batch in float64, step by step, under 1F1B and ZB-V on two ranks. A step whose shapes
+    repeat the previous one's sends each value as one message; the others fall back to sending
+    the new shapes, without error."""
+    results, codes = spawn("seqlen", 2)
+    assert codes == [0, 0]
+    assert all("crash" not in r for r in results), results
+    schedules, steps = seqlen_case()
+    for name, n_stages in schedules:
+        program = fdist_schedule(name, 3).program(n_stages)
+        owners = program.placement
+        crossing = [sum(owners[s - 1] != owners[s] for s in range(1, n_stages)
+                        if rank in (owners[s - 1], owners[s])) * program.n_microbatches
+                    for rank in range(2)]  # values each rank sends per step (x on, g back)
+        params = mlp_params(n_stages)
+        previous = None
+        for i, (x, target) in enumerate(steps):
+            loss, grads = whole_batch([block] * n_stages, params, x, target, mse)
+            for rank, result in enumerate(results):
+                rank_loss, rank_grads, sends = result[name][i]
+                torch.testing.assert_close(rank_loss, loss, **TIGHT)
+                assert sorted(rank_grads) == [s for s in range(n_stages) if owners[s] == rank]
+                for s, g in rank_grads.items():
+                    torch.testing.assert_close(g, grads[s], **TIGHT)
+                if x.shape == previous:
+                    assert sends == crossing[rank], (name, i, rank, sends)
+                else:
+                    assert sends >= crossing[rank], (name, i, rank, sends)
+            previous = x.shape
+            params = [{k: v - SEQLEN_LR * g[k] for k, v in p.items()}
+                      for p, g in zip(params, grads)]
+
+
+def test_vjp_runs_a_step_in_two_calls_as_torch_func_vjp():
+    """``y, vjp_fn = pipe.vjp(x)`` then ``grads, x_grad = vjp_fn(cotangent)``: the output on the
+    last rank, each rank's gradients and the input's gradient on the first rank equal
+    ``torch.func.vjp`` of the whole batch. In between, other calls are refused; a second
+    ``vjp_fn`` call is refused; the pipeline runs whole steps after it; a schedule whose
+    forwards are not all first (1F1B) cannot run in two calls."""
+    results, codes = spawn("vjp", 2)
+    assert codes == [0, 0]
+    assert all("crash" not in r for r in results), results
+    stages, _, x, cotangent, (x2, target2) = vjp_case()
+    params = mlp_params(2)
+    y, whole_vjp = torch.func.vjp(lambda ps, x: forward(stages, ps, x), params, x)
+    param_grads, x_grad = whole_vjp(cotangent)
+    torch.testing.assert_close(results[1]["y"], y, **TIGHT)
+    assert results[0]["y"] is None
+    for rank, result in enumerate(results):
+        grads, rank_x_grad = result["grads"]
+        assert sorted(grads) == [rank]
+        for key in ("w", "b"):
+            torch.testing.assert_close(grads[rank][key], param_grads[rank][key], **TIGHT)
+        if rank == 0:
+            torch.testing.assert_close(rank_x_grad, x_grad, **TIGHT)
+        else:
+            assert rank_x_grad is None
+        kind, name, message = result["refused"]
+        assert (kind, name) == ("error", "RuntimeError")
+        assert "waiting for its vjp_fn" in message
+        kind, name, message = result["again"]
+        assert (kind, name) == ("error", "RuntimeError") and "called already" in message
+        loss, grads = result["after"]
+        whole_loss, whole_grads = whole_batch(stages, params, x2, target2, mse)
+        torch.testing.assert_close(loss, whole_loss, **TIGHT)
+        torch.testing.assert_close(grads[rank], whole_grads[rank], **TIGHT)
+        kind, name, message = result["1f1b"]
+        assert (kind, name) == ("error", "ValueError") and "forwards" in message
 
 
 def test_concurrent_calls_are_refused_and_mismatched_calls_stop():

@@ -22,7 +22,7 @@ import optree
 import torch
 
 from fpipe._runtime.autodiff import Value
-from fpipe._runtime.instructions import compiled
+from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.rng import StepSeed, UnseededDraws
 from fpipe._runtime.step import Step, TrainResult
@@ -129,10 +129,8 @@ class LocalDriver:
         their cotangents are known, as an autograd backward does.
         """
         plan = self.prepare(program, True)
-        if any(kind.forward for actions in plan for kind, _, _ in _after_forwards(actions)):
-            raise ValueError("a step run in two calls needs a program whose workers run all "
-                             "their forwards before any other action, such as gpipe's")
-        return self._step(program, _forwards, partial(
+        check_turn(plan)
+        return self._step(program, before_turn, partial(
             self._start, program, True, params, state, inputs, None, [1.0] * len(inputs),
             sizes, open_ended=True))
 
@@ -147,7 +145,7 @@ class LocalDriver:
         """
         step.output_cotangents = cotangents
         try:
-            self._run(program, step, _after_forwards, inline=program.placement[-1])
+            self._run(program, step, after_turn, inline=program.placement[-1])
         except UnseededDraws as exc:
             raise StageError(
                 f"stage {exc.stage} drew random numbers in the recompute of micro-batch "
@@ -207,7 +205,7 @@ class LocalDriver:
                 seed.restore()
         if step.error is not None:
             raise step.error
-        if step.clock is not None and part is not _forwards:
+        if step.clock is not None and part is not before_turn:
             step.clock.finish()
 
     @contextlib.contextmanager
@@ -227,13 +225,3 @@ class LocalDriver:
 
 def _everything(actions: tuple) -> tuple:
     return actions
-
-
-def _forwards(actions: tuple) -> tuple:
-    """The forwards a worker runs before anything else."""
-    end = next((i for i, (kind, _, _) in enumerate(actions) if not kind.forward), len(actions))
-    return actions[:end]
-
-
-def _after_forwards(actions: tuple) -> tuple:
-    return actions[len(_forwards(actions)):]

@@ -1,6 +1,7 @@
-"""What every face does alike around a step: its options checked, and a non-finite loss
-refused. ``fpipe.pipeline`` and ``fpipe.distributed.pipeline`` both call these, so the two
-cannot drift."""
+"""What every face does alike around a step: its options checked, a non-finite loss refused,
+and for a step run in two calls (``vjp``) the outputs' cotangents split and the input's
+gradients joined. ``fpipe.pipeline`` and ``fpipe.distributed.pipeline`` both call these, so the
+two cannot drift."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
 from fpipe.errors import NonFiniteLossError
 
-__all__ = ["check_options", "check_stages", "nonfinite_error", "returned_loss"]
+__all__ = ["check_options", "check_stages", "nonfinite_error", "returned_loss",
+           "output_cotangent", "input_grads"]
 
 NONFINITE = ("raise", "ignore")
 
@@ -85,3 +88,49 @@ class ReturnedLoss(torch.Tensor):
 
 def returned_loss(loss: torch.Tensor) -> ReturnedLoss:
     return loss.as_subclass(ReturnedLoss)
+
+
+def output_cotangent(out: Any, piece: Any, microbatch: int) -> list:
+    """The cotangents of one micro-batch's differentiable output leaves, from its piece of the
+    caller's cotangent (shaped like the output; ``None`` where a leaf gets no gradient).
+
+    A leaf without a batch dimension (a 0-dim tensor) is taken from micro-batch 0 when the
+    outputs are joined, so only micro-batch 0 receives its cotangent: given to every
+    micro-batch, its gradient would count ``chunks`` times."""
+    try:
+        leaves = out.spec.flatten_up_to(piece)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"the cotangent must have the structure of the output "
+                         f"({out.spec}): {exc}") from None
+    for i, given in enumerate(leaves):
+        if given is not None and not isinstance(given, torch.Tensor) and \
+                isinstance(out.leaves[i], torch.Tensor):
+            raise ValueError(f"the cotangent must have the structure of the output "
+                             f"({out.spec}); at a tensor of the output it has a "
+                             f"{type(given).__name__}")
+    cotangents = []
+    for i in out.grad_index:
+        leaf, given = out.leaves[i], leaves[i]
+        if given is None or (microbatch > 0 and leaf.dim() == 0):
+            given = torch.zeros_like(leaf)
+        cotangents.append(given)
+    return cotangents
+
+
+def input_grads(inputs: list, found: list) -> Any:
+    """The input's gradient for the whole batch, shaped like the input: batched leaves joined
+    along dim 0, a 0-dim tensor given to every micro-batch summed over them, ``None`` where
+    a leaf carries no gradient."""
+    columns: list[list] = [[None] * len(inputs) for _ in inputs[0].leaves]
+    for m, (value, grads) in enumerate(zip(inputs, found)):
+        for i, grad in zip(value.grad_index, grads):
+            columns[i][m] = grad
+    joined = []
+    for leaf, column in zip(inputs[0].leaves, columns):
+        if column[0] is None:
+            joined.append(None)
+        elif leaf.dim() == 0:
+            joined.append(torch.stack(column).sum(0))
+        else:
+            joined.append(torch.cat(column))
+    return optree.tree_unflatten(inputs[0].spec, joined)

@@ -25,7 +25,8 @@ from fpipe.schedules.validate import validate
 if TYPE_CHECKING:
     from fpipe._runtime.interpreter import Interpreter
 
-__all__ = ["Kind", "KINDS", "compiled", "Job", "located"]
+__all__ = ["Kind", "KINDS", "compiled", "Job", "located", "check_turn", "before_turn",
+           "after_turn"]
 
 _NOTHING = contextlib.nullcontext()
 
@@ -119,6 +120,27 @@ def _check_forward_order(program: Program) -> None:
                         f"{worker} runs {action} after {action.stage}F{last[action.stage]}"
                     )
                 last[action.stage] = action.microbatch
+
+
+# A step run in two calls (``vjp``: the forwards now, the rest once the outputs' cotangents are
+# known) runs each worker's compiled actions cut at its turn.
+
+def check_turn(plan: tuple) -> None:
+    """A program can be cut at its turn when every worker runs all its forwards first."""
+    if any(kind.forward for actions in plan for kind, _, _ in after_turn(actions)):
+        raise ValueError("a step run in two calls needs a program whose workers run all "
+                         "their forwards before any other action, such as gpipe's")
+
+
+def before_turn(actions: tuple) -> tuple:
+    """The forwards a worker runs before anything else."""
+    end = next((i for i, (kind, _, _) in enumerate(actions) if not kind.forward), len(actions))
+    return actions[:end]
+
+
+def after_turn(actions: tuple) -> tuple:
+    """What a worker runs after its leading forwards."""
+    return actions[len(before_turn(actions)):]
 
 
 class Job:

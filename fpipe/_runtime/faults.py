@@ -1,0 +1,133 @@
+"""How a failure on one rank stops every rank of a distributed pipeline, and what each says.
+
+Every wait on another rank is bounded by the pipeline's timeout (:meth:`RankFaults.wait`). The
+first rank that fails writes what happened (rank, stage, micro-batch, op, the exception's type
+and message) to the process group's store and aborts fpipe's process groups, which wakes every
+rank blocked on one of them; each reads the store, raises an error naming the first failure
+(a :class:`~fpipe.StageError` for a stage's, a :class:`~fpipe.errors.PeerError` for a lost or
+silent rank) and aborts in turn. After a failure the pipeline cannot run again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from fpipe.errors import PeerError, StageError, Where, where
+
+__all__ = ["RankFaults", "at_rank"]
+
+_created = itertools.count()
+
+
+class RankFaults:
+    """One pipeline's failure state on this rank: the store record every rank reads, the
+    groups aborted on failure (fpipe's own, never the caller's), and ``broken``, the failure
+    that stopped the pipeline (``None`` while it runs)."""
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.store = dist.distributed_c10d._get_default_store()
+        self.key = f"fpipe/pipeline{next(_created)}/failure"
+        self.groups: list[Any] = []
+        self.broken: BaseException | None = None
+
+    def guarded(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``; if it raises, every other rank is stopped first (unless already)."""
+        try:
+            return fn()
+        except BaseException as exc:
+            if self.broken is None:
+                self.stop_everyone(exc)
+            raise
+
+    def wait(self, work: Any, what: str, peer: int, stage: int | None = None,
+             microbatch: int | None = None) -> None:
+        """Wait for ``work`` at most ``timeout`` seconds; a failure raises the error that
+        :meth:`failure_from` makes (after stopping every rank)."""
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:
+            raise self.failure_from(peer, what, stage, microbatch, exc) from exc
+
+    def failure_from(self, peer: int, what: str, stage: int | None, mb: int | None,
+                     exc: Exception) -> Exception:
+        """The error to raise after a wait on ``peer`` failed: the first rank's published
+        failure if there is one, else what this rank saw. Every rank is stopped."""
+        record = self._published()
+        if record is not None:
+            kind, rank, f_stage, f_mb, op, type_name, message = record
+            said = f"rank {rank} failed, so rank {self.rank} stopped while waiting for {what}: "
+            if kind == "stage":
+                error: Exception = StageError(
+                    said + _stage_failure(type_name, message, Where(f_stage, f_mb, op)),
+                    f_stage, f_mb, op, rank)
+            else:
+                error = PeerError(f"{said}{type_name}: {message}", rank, f_stage, f_mb)
+        elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            error = PeerError(f"rank {self.rank} waited {self.timeout:g} s for {what} and got "
+                              f"nothing: rank {peer} is stuck or gone", peer, stage, mb)
+        else:
+            error = PeerError(f"rank {self.rank} lost rank {peer} while waiting for {what}: "
+                              f"{exc}", peer, stage, mb)
+        self.stop_everyone(error)
+        return error
+
+    def _published(self) -> tuple | None:
+        try:
+            if self.store.check([self.key]):
+                return pickle.loads(self.store.get(self.key))
+        except Exception:  # noqa: BLE001 - the store's host may be gone too; say what we saw
+            return None
+        return None
+
+    def stop_everyone(self, error: BaseException) -> None:
+        """Publish ``error`` unless a failure is already known, then abort fpipe's groups,
+        which wakes every rank blocked on this one.
+
+        A failure located in a stage (:func:`~fpipe.errors.where`: the stage's own exception
+        or a :class:`StageError`) is published as a stage failure of the rank where it was
+        raised; anything else as this rank's failure. Either keeps the type and message."""
+        self.broken = error
+        at = where(error)
+        if at is not None:
+            record = ("stage", self.rank if at.rank is None else at.rank, at.stage,
+                      at.microbatch, at.op)
+        else:
+            record = ("peer", self.rank, getattr(error, "stage", None),
+                      getattr(error, "microbatch", None), None)
+        record += (type(error).__name__, str(error))
+        try:
+            self.store.compare_set(self.key, "", pickle.dumps(record))
+        except Exception:  # noqa: BLE001, S110 - best effort: the abort below still wakes peers
+            pass
+        for group in self.groups:
+            dist.distributed_c10d._abort_process_group(group)
+
+
+def at_rank(error: BaseException, rank: int) -> BaseException:
+    """``error``, a step's failure, with the rank it was raised on recorded in its
+    :func:`~fpipe.errors.where` (a stage's own exception that takes no attributes keeps none)."""
+    if isinstance(error, StageError):
+        error.rank = rank
+    elif (at := where(error)) is not None:
+        try:
+            error.fpipe_where = at._replace(rank=rank)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            pass
+    return error
+
+
+def _stage_failure(type_name: str, message: str, at: Where) -> str:
+    """What failed where, for ranks that only learn of it: the place, the original exception's
+    type and its message (a StageError of the interpreter's already says the place)."""
+    place = f"stage {at.stage} failed in the {at.op} of micro-batch {at.microbatch}"
+    if type_name == "StageError" and message.startswith(place):
+        return message
+    return f"{place}: {type_name}: {message}"

@@ -1,0 +1,132 @@
+"""The :class:`RankDriver`: one rank's part of every step of a distributed pipeline, as the
+:class:`~fpipe._runtime.driver.LocalDriver` is the local face's. It owns fpipe's process groups
+(:mod:`fpipe._runtime.p2p`), the failure state (:mod:`fpipe._runtime.faults`) and the compiled
+programs, and runs a step in lockstep with the other ranks: a header broadcast from the rank of
+stage 0, this rank's actions, the loss broadcast from the rank of the last stage."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fpipe._runtime import microbatch
+from fpipe._runtime.faults import RankFaults, at_rank
+from fpipe._runtime.instructions import compiled
+from fpipe._runtime.interpreter import Interpreter
+from fpipe._runtime.p2p import RankChannel, make_links, send_orders
+from fpipe._runtime.step import Step
+from fpipe.errors import BatchError
+from fpipe.schedules.actions import Program
+
+__all__ = ["RankDriver", "backend_for", "CALLS"]
+
+#: What a step was called for, by the code in its header.
+CALLS = ("inference", "value_and_grad", "vjp")
+#: Loss dtypes, by the code broadcast with the loss.
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The backend that carries tensors of ``device``: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+class RankDriver:
+    """This rank's worker of ``program``: its groups, links and failure state, built by every
+    rank alike (collectively) when the pipeline is."""
+
+    def __init__(self, rank: int, program: Program, interpreter: Interpreter,
+                 device: torch.device, timeout: float, plans: dict) -> None:
+        self.rank, self.program, self.interpreter = rank, program, interpreter
+        self.device = device
+        backend = backend_for(device)
+        # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
+        self.wire = device if backend == "nccl" else torch.device("cpu")
+        # fpipe's own groups: aborting them on failure leaves the caller's group to the caller.
+        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
+        self.faults = RankFaults(rank, timeout)
+        owners = program.placement
+        pairs = {(owners[s - 1], owners[s]) for s in range(1, program.n_stages)}
+        pairs |= {(owners[a], owners[b]) for a, b in interpreter.routes.values()}
+        self.links = make_links(rank, pairs, backend, timeout, self.wire)
+        self.faults.groups = [self.group, *(g for pair in self.links.values() for g in pair)]
+        self.calls = 0
+        self._compiled = plans  # (program, training) -> compiled plan
+        self._orders: dict = {}  # per program run: each link's keys in the order sent
+        self._known: dict = {}  # per key: its value's shapes at the last step (p2p)
+
+    def plan(self, program: Program, training: bool, stateful: bool) -> tuple:
+        """``program`` validated and compiled (once)."""
+        return compiled(self._compiled, program, training, stateful)
+
+    def header(self, x: Any, seed: int, call: int) -> tuple[int, int]:
+        """The batch size and the step's seed, from the rank of stage 0 to all, with what that
+        rank was called for (``CALLS[call]``, and how many calls it made): ranks whose calls
+        differ stop rather than exchange wrong values."""
+        first = self.program.placement[0]
+        mine = (call, self.calls)
+        header = torch.zeros(4, dtype=torch.int64, device=self.wire)
+        if self.rank == first:
+            if x is None:
+                raise BatchError(f"rank {self.rank} holds stage 0, so it needs the input x")
+            header[:] = torch.tensor([microbatch.batch_size(x, "input"), seed, *mine])
+        self.faults.wait(dist.broadcast(header, first, group=self.group, async_op=True),
+                         f"the batch size from rank {first}", first)
+        n, seed, *theirs = header.tolist()
+        if tuple(theirs) != mine:
+            raise RuntimeError(f"rank {self.rank} was called for {_call_name(*mine)} but rank "
+                               f"{first} for {_call_name(*theirs)}: every rank must make the "
+                               f"same calls in the same order")
+        return n, seed
+
+    def channel(self, program: Program, training: bool, plan: tuple) -> RankChannel:
+        """A step's channel: its receives are posted at once."""
+        orders = self._orders.get((program, training))
+        if orders is None:
+            orders = self._orders[program, training] = send_orders(
+                plan, program.placement, self.interpreter.stashes, self.interpreter.pops,
+                self.interpreter.routes)
+        return RankChannel(self.rank, program.placement, orders, self.links, self.faults,
+                           self.wire, self._known)
+
+    def run(self, step: Step, actions: tuple, channel: RankChannel) -> None:
+        """Run ``actions`` (this rank's, or a part of them); a failure here or on another rank
+        raises (every rank is then stopped by the caller's :meth:`RankFaults.guarded`)."""
+        self.interpreter.run(step, actions, channel)
+        if self.faults.broken is not None:  # another rank failed while this one waited
+            raise self.faults.broken
+        if step.error is not None:
+            raise at_rank(step.error, self.rank)
+
+    def run_all(self, step: Step, actions: tuple, channel: RankChannel,
+                training: bool) -> tuple | None:
+        """:meth:`run` then :meth:`finish`: a whole step."""
+        self.run(step, actions, channel)
+        return self.finish(step, channel, training)
+
+    def finish(self, step: Step, channel: RankChannel, training: bool) -> tuple | None:
+        """End the step in lockstep: this rank's sends completed, then the loss (its sum,
+        dtype and each micro-batch's part) broadcast from the rank of the last stage. Returns
+        ``(loss, parts)`` in training."""
+        channel.flush()
+        if step.clock is not None:
+            step.clock.finish()
+        last = self.program.placement[-1]
+        chunks = self.program.n_microbatches
+        message = torch.zeros(2 + chunks, dtype=torch.float64, device=self.wire)
+        if self.rank == last and training:
+            losses = torch.stack(step.outputs).detach()
+            message[0], message[1] = losses.sum(), _FLOATS.index(losses.dtype)
+            message[2:] = losses
+        self.faults.wait(dist.broadcast(message, last, group=self.group, async_op=True),
+                         f"the loss from rank {last}", last)
+        if not training:
+            return None
+        return message[0].to(self.device, _FLOATS[int(message[1])]), message[2:]
+
+
+def _call_name(call: int, count: int) -> str:
+    return f"{CALLS[call]} (call {count})"
