@@ -49,7 +49,7 @@ from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.placement import check_params, check_state, stage_devices
 from fpipe._runtime.rank_driver import RankDriver, backend_for
 from fpipe._runtime.rng import StepSeed
-from fpipe._runtime.step import Step
+from fpipe._runtime.step import Step, Vjp
 from fpipe._runtime.stream import Transport
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Program, program_of
@@ -268,7 +268,7 @@ class DistributedPipeline:
             grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
                      for s in self.stages_held}
             first = self.rank == self.program.placement[0]
-            return grads, input_grads(step.inputs, step.input_grads) if first else None
+            return grads, input_grads(step.inputs, step.ends.grads) if first else None
 
         y = microbatch.join([out.tree() for out in step.outputs]) if last else None
         return (y, vjp_fn, self._held_state(step)) if self.stateful else (y, vjp_fn)
@@ -280,9 +280,9 @@ class DistributedPipeline:
                 raise ValueError(f"rank {self.rank} holds the last stage, so vjp_fn needs the "
                                  f"output's cotangent")
             pieces = microbatch.split(_to(cotangent, self.device), self.chunks, "cotangent")
-            step.output_cotangents = [output_cotangent(out, piece, m)
-                                      for m, (out, piece) in enumerate(zip(step.outputs,
-                                                                           pieces))]
+            step.ends.cotangents = [output_cotangent(out, piece, m)
+                                    for m, (out, piece) in enumerate(zip(step.outputs,
+                                                                         pieces))]
         with self._seeded(step):
             self.driver.run(step, after_turn(plan[self.rank]), channel)
         self.driver.finish(step, channel, False)
@@ -368,7 +368,7 @@ class DistributedPipeline:
             owners, program.n_workers, [self.device] * program.n_stages)
         weights = [1.0] * len(sizes) if open_ended else [size / n for size in sizes]
         step = Step(params, states, inputs, targets, weights, sizes, seed, training,
-                    lambda: None, open_ended=open_ended, clock=clock)
+                    lambda: None, ends=Vjp(len(sizes)) if open_ended else None, clock=clock)
         plan = self.driver.plan(program, training, self.stateful)
         return step, self.driver.channel(program, training, plan)
 

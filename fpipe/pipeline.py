@@ -228,7 +228,7 @@ class Pipeline:
             cotangents = [output_cotangent(out, piece, m)
                           for m, (out, piece) in enumerate(zip(outputs, pieces))]
             grads = self._grad_trees(self._driver.finish(self.program, step, cotangents).grads)
-            return grads, input_grads(inputs, step.input_grads)
+            return grads, input_grads(inputs, step.ends.grads)
 
         return (y, vjp_fn, step.state) if self.stateful else (y, vjp_fn)
 

@@ -107,8 +107,8 @@ MUTANTS = (
     Mutant("the loss's seed cotangent outside the compute scope", "_runtime/instructions.py",
            "    vjp_fn, counts = step.vjps.pop((stage, microbatch))\n",
            "    vjp_fn, counts = step.vjps.pop((stage, microbatch))\n"
-           "    if stage == job.last and not step.open_ended:\n"
-           "        cotangent = [torch.ones_like(step.outputs[microbatch])]\n",
+           "    if stage == job.last:\n"
+           "        cotangent = step.ends.seed(microbatch, step.outputs[microbatch])\n",
            ("tests/test_stream_discipline.py",), quick=True),
     # -- more of the kind a refactor makes -----------------------------------------------------
     Mutant("skip cotangents sent back to the wrong stage", "_runtime/instructions.py",

@@ -25,7 +25,7 @@ from fpipe._runtime.autodiff import Value
 from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.rng import StepSeed, UnseededDraws
-from fpipe._runtime.step import Step, TrainResult
+from fpipe._runtime.step import Ends, Step, TrainResult, Vjp
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.thread_state import ThreadState
 from fpipe._runtime.workers import Inbox, WorkerPool, warn_if_oversubscribed
@@ -132,18 +132,18 @@ class LocalDriver:
         check_turn(plan)
         return self._step(program, before_turn, partial(
             self._start, program, True, params, state, inputs, None, [1.0] * len(inputs),
-            sizes, open_ended=True))
+            sizes, ends=Vjp(len(inputs))))
 
     def finish(self, program: Program, step: Step, cotangents: list[list]) -> TrainResult:
         """The rest of a step :meth:`begin` started, given the outputs' cotangents; the
-        inputs' gradients are left in ``step.input_grads``.
+        inputs' gradients are left in ``step.ends.grads``.
 
         The worker of the last stage runs in the calling thread. Called from an autograd
         backward (``fpipe.GPipe``) on a CUDA output, that thread is autograd's thread for the
         output's device, which every vjp on that device needs: were it to wait for another
         thread running those vjps, the backward would wait on itself.
         """
-        step.output_cotangents = cotangents
+        step.ends.cotangents = cotangents
         try:
             self._run(program, step, after_turn, inline=program.placement[-1])
         except UnseededDraws as exc:
@@ -169,7 +169,7 @@ class LocalDriver:
 
     def _start(self, program: Program, training: bool, params: list, state: list,
                inputs: list, targets: list | None, weights: list, sizes: list,
-               open_ended: bool = False, record: Recorder | None = None,
+               ends: Ends | None = None, record: Recorder | None = None,
                seed: int | None = None, seeded: bool = False) -> Step:
         inboxes = [Inbox() for _ in range(program.n_workers)]
 
@@ -181,7 +181,7 @@ class LocalDriver:
                  record.clock(program.placement, program.n_workers, self.devices))
         context = ThreadState.capture(self.devices)  # None: workers need apply nothing
         step = Step(params, state, inputs, targets, weights, sizes, seed, training, abort,
-                    open_ended, clock, seeded, None if context.plain else context)
+                    ends, clock, seeded, None if context.plain else context)
         step.inboxes = inboxes
         return step
 

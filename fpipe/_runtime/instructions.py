@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 from torch.autograd import profiler
 
 from fpipe._runtime.autodiff import StageCall
@@ -150,9 +149,7 @@ class Job:
 
     def __init__(self, interpreter: Interpreter, step: Step, channel: Channel) -> None:
         self.interpreter, self.step, self.channel = interpreter, step, channel
-        self.calls = (interpreter.open_ended_calls if step.open_ended else
-                      interpreter.training_calls if step.training else
-                      interpreter.inference_calls)
+        self.calls = interpreter.calls[step.ends.calls]
         self.last = len(interpreter.devices) - 1
         self.received: Value | None = None  # the input of the running forward, for errors
         # Per stage: whether its unsplit backwards add parameter gradients into the step's
@@ -207,8 +204,7 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     if dropped:
         step.saved[stage, microbatch] = (inputs, state, drawing.drew)
     if stage == job.last:  # the output, or in a loss step the micro-batch's loss
-        step.outputs[microbatch] = (outs[0] if step.open_ended else
-                                    outs[0].leaves[0] if step.training else outs[0].tree())
+        step.outputs[microbatch] = step.ends.output(outs)
         return
     channel.send(outs[0].leaves, device, stage + 1, ("x", stage + 1, microbatch), outs[0])
     if interpreter.stashes[stage]:
@@ -244,17 +240,15 @@ def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     step, channel, interpreter = job.step, job.channel, job.interpreter
     device = interpreter.devices[stage]
     cotangent: list = []
-    if stage == job.last and step.open_ended:
-        cotangent = list(step.output_cotangents[microbatch])
-    elif stage < job.last:
+    if stage < job.last:
         cotangent = list(channel.receive(("g", stage, microbatch), device))
     for name in interpreter.stashes[stage]:
         cotangent += channel.receive(("t", name, microbatch), device)
     vjp_fn, counts = step.vjps.pop((stage, microbatch))
     # Everything below touches the device's tensors: on its compute stream.
     with interpreter.transport.compute(device), job.timed(kind, stage, microbatch):
-        if stage == job.last and not step.open_ended:  # the loss's seed
-            cotangent = [torch.ones_like(step.outputs[microbatch])]
+        if stage == job.last:  # the loss's seed, or the cotangent a vjp's caller gave
+            cotangent = step.ends.seed(microbatch, step.outputs[microbatch])
         if kind.split:
             input_grads = vjp_fn.input_grads(cotangent)
         else:
@@ -263,9 +257,9 @@ def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
                 step.grads.add(stage, param_grads, interpreter.grad_dtype)
     if kind.split:
         step.pending_weights[stage, microbatch] = vjp_fn
-    if stage == 0 and step.open_ended:
-        step.input_grads[microbatch] = list(input_grads)
-    elif stage > 0:
+    if stage == 0:
+        step.ends.input_grads(microbatch, input_grads)
+    else:
         _send_input_grads(job, stage, microbatch, input_grads, counts)
 
 

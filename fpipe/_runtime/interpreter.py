@@ -53,9 +53,11 @@ class Interpreter:
                                loss if s == n - 1 else None)
                     for s, (fn, spec) in enumerate(zip(stages, param_specs))]
 
-        self.inference_calls = calls(lambda s: False, None)
-        self.training_calls = calls(lambda s: s > 0, loss_fn)
-        self.open_ended_calls = calls(lambda s: True, None)
+        # By Ends.calls: forward only; with the loss (the first stage's input gradients not
+        # wanted); without it, every input's gradient wanted (a vjp).
+        self.calls = {"inference": calls(lambda s: False, None),
+                      "training": calls(lambda s: s > 0, loss_fn),
+                      "vjp": calls(lambda s: True, None)}
         self.transport = transport
         self.random = RandomStages(self.devices, concurrent)
 

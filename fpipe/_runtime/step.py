@@ -16,7 +16,7 @@ from fpipe._runtime.values import Value
 from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
-__all__ = ["Step", "GradSums", "TrainResult", "Channel"]
+__all__ = ["Step", "Ends", "Vjp", "GradSums", "TrainResult", "Channel"]
 
 
 class TrainResult:
@@ -31,6 +31,61 @@ class TrainResult:
         self.state = state
 
 
+class Ends:
+    """What a step does at its two ends, the one thing the kinds of step differ in: what it keeps
+    of the last stage's output, where the last stage's backward takes its cotangent, and what
+    becomes of the first stage's input gradients. ``calls`` names the stage calls it runs
+    (:class:`~fpipe._runtime.interpreter.Interpreter`): with the loss on the last stage or
+    not, with the first stage's input gradients or not."""
+
+    calls = "inference"
+
+    def output(self, outs: list[Value]) -> Any:
+        return outs[0].tree()
+
+    def seed(self, microbatch: int, output: Any) -> list:  # called in the compute scope
+        raise AssertionError("a forward-only step has no backward")
+
+    def input_grads(self, microbatch: int, grads: list) -> None:
+        pass
+
+
+class _Loss(Ends):
+    """A training step: the micro-batch's (weighted) loss, seeded with 1."""
+
+    calls = "training"
+
+    def output(self, outs: list[Value]) -> Any:
+        return outs[0].leaves[0]
+
+    def seed(self, microbatch: int, output: Any) -> list:
+        return [torch.ones_like(output)]
+
+
+class Vjp(Ends):
+    """A step run in two calls (``vjp``): the outputs are kept as they are, the caller gives
+    their cotangents (:attr:`cotangents`, once the forwards have run) and takes the input's
+    gradients (:attr:`grads`)."""
+
+    calls = "vjp"
+
+    def __init__(self, n_microbatches: int) -> None:
+        self.cotangents: list | None = None
+        self.grads: list = [None] * n_microbatches
+
+    def output(self, outs: list[Value]) -> Any:
+        return outs[0]
+
+    def seed(self, microbatch: int, output: Any) -> list:
+        return list(self.cotangents[microbatch])
+
+    def input_grads(self, microbatch: int, grads: list) -> None:
+        self.grads[microbatch] = list(grads)
+
+
+INFERENCE, LOSS = Ends(), _Loss()
+
+
 class Step:
     """Everything one step's actions share on one process; dropped when the step ends.
 
@@ -39,7 +94,7 @@ class Step:
 
     def __init__(self, params: list, state: list, inputs: list | None, targets: list | None,
                  weights: list, sizes: list, seed: int, training: bool,
-                 on_abort: Callable[[], None], open_ended: bool = False,
+                 on_abort: Callable[[], None], ends: Ends | None = None,
                  clock: StepClock | None = None, seeded: bool = False,
                  context: ThreadState | None = None) -> None:
         self.params = params
@@ -54,11 +109,8 @@ class Step:
         self.training = training
         # The caller's thread-local state, applied by every worker (None: run as the thread is).
         self.context = context
-        # An open-ended training step has no loss: the caller gives the cotangents of the last
-        # stage's outputs and takes the gradients of the first stage's inputs (module face).
-        self.open_ended = open_ended
-        self.output_cotangents: list | None = None
-        self.input_grads: list = [None] * len(sizes)
+        # What the step does at its two ends (a loss, outputs, or a vjp's cotangents in).
+        self.ends = ends if ends is not None else LOSS if training else INFERENCE
         # Per (stage, micro-batch): what a recompute needs, and the vjp with its input counts.
         self.saved: dict[tuple[int, int], tuple] = {}
         self.vjps: dict[tuple[int, int], tuple[Callable, tuple[int, ...]]] = {}
