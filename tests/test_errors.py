@@ -293,7 +293,7 @@ def test_backward_on_a_returned_loss_says_the_gradients_were_returned():
                         loss_fn=mean) as pipe:
         loss, grads = pipe.value_and_grad(x)
         torch.testing.assert_close(loss, torch.tensor(2.0, dtype=torch.float64))
-        assert not loss.requires_grad and loss.numpy() == 2.0  # a plain tensor otherwise
+        assert not loss.requires_grad and loss.tolist() == 2.0  # a plain tensor otherwise
         assert repr(loss) == "tensor(2., dtype=torch.float64)"
         for tensor in (loss, loss * 2):
             with pytest.raises(RuntimeError, match=r"already computed the gradients.*bind_gr"):
