@@ -51,7 +51,7 @@ def global_norm(grads: Any) -> torch.Tensor:
     leaves = optree.tree_leaves(grads)
     if not leaves:
         raise ValueError("no gradients to take the norm of")
-    if _TORCH_CLIPPING and all(leaf.dtype.itemsize >= 4 for leaf in leaves):
+    if _TORCH_TOTAL_NORM and all(leaf.dtype.itemsize >= 4 for leaf in leaves):
         return torch.nn.utils.get_total_norm(leaves, 2.0)
     return _total_norm(leaves)
 
@@ -73,7 +73,7 @@ def clip_grad_norm(grads: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any,
 
 
 # torch.nn.utils' grouped, foreach norm (torch >= 2.6); the code below for older ones.
-_TORCH_CLIPPING = hasattr(torch.nn.utils, "get_total_norm")
+_TORCH_TOTAL_NORM = hasattr(torch.nn.utils, "get_total_norm")
 
 
 def _total_norm(leaves: list) -> torch.Tensor:

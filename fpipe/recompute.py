@@ -8,9 +8,9 @@ flags are per thread, since each worker of the local driver runs on its own thre
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 __all__ = ["is_recomputing", "recomputing", "is_checkpointing", "checkpointing"]
 
@@ -19,16 +19,7 @@ _flag = threading.local()
 
 def is_recomputing() -> bool:
     """True while the calling thread runs a stage's recompute."""
-    return getattr(_flag, "on", False)
-
-
-@contextmanager
-def recomputing() -> Iterator[None]:
-    _flag.on = True
-    try:
-        yield
-    finally:
-        _flag.on = False
+    return getattr(_flag, "recomputing", False)
 
 
 def is_checkpointing() -> bool:
@@ -37,10 +28,19 @@ def is_checkpointing() -> bool:
     return getattr(_flag, "checkpointing", False)
 
 
-@contextmanager
-def checkpointing() -> Iterator[None]:
-    _flag.checkpointing = True
+def recomputing() -> contextlib.AbstractContextManager[None]:
+    return _raised("recomputing")
+
+
+def checkpointing() -> contextlib.AbstractContextManager[None]:
+    return _raised("checkpointing")
+
+
+@contextlib.contextmanager
+def _raised(name: str) -> Iterator[None]:
+    """The calling thread's flag ``name`` true for the block."""
+    setattr(_flag, name, True)
     try:
         yield
     finally:
-        _flag.checkpointing = False
+        setattr(_flag, name, False)
