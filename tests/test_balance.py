@@ -145,3 +145,40 @@ def test_balance_by_time_profiles_a_copy_of_batchnorm():
     balance_by_time(model, torch.randn(8, 3), partitions=2, repeat=1)
     assert int(model[1].num_batches_tracked) == 0
     torch.testing.assert_close(model[1].running_mean, torch.zeros(3))
+
+
+def meta_copy(build):
+    with torch.device("meta"):
+        return build()
+
+
+@pytest.mark.parametrize("sample", ["real", "meta"])
+def test_balance_by_size_of_a_meta_model_sees_the_costs_of_the_real_one(seen_costs, sample):
+    """Shapes are all sizes need: a meta-built model (and a real or meta sample) gives the
+    costs of the same model built for real, and nothing is allocated."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    balance_by_size(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double(), x,
+                    partitions=2, param_scale=2)
+    model = meta_copy(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(),
+                                            nn.Linear(8, 2)).double())
+    balance_by_size(model, x if sample == "real" else x.to("meta"), partitions=2, param_scale=2)
+    assert seen_costs[0] == seen_costs[1] == [8.0 * (2 * 40 + 24), 8.0 * 24, 8.0 * (2 * 18 + 6)]
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_balance_by_size_without_a_sample_counts_parameters_only(seen_costs):
+    model = meta_copy(heavy_model)
+    assert balance_by_size(model, partitions=3) == [3, 1, 3]
+    sizes = [4.0 * sum(p.numel() for p in layer.parameters()) for layer in model]
+    assert seen_costs == [sizes]
+    assert balance_by_size(3, model) == [3, 1, 3]  # torchgpipe's order, no input
+
+
+def test_balance_by_time_refuses_meta_and_needs_a_sample():
+    model = meta_copy(heavy_model)
+    with pytest.raises(ValueError, match="balance_by_time times real runs.*balance_by_size"):
+        balance_by_time(model, torch.randn(4, 16), partitions=3)
+    with pytest.raises(ValueError, match="meta module, sample or device"):
+        balance_by_time(heavy_model(), torch.randn(4, 16, device="meta"), partitions=3)
+    with pytest.raises(TypeError, match="needs a sample"):
+        balance_by_time(heavy_model(), None, partitions=3)

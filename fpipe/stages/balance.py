@@ -80,6 +80,12 @@ def balance_by_time(module: nn.Sequential, sample: Any, partitions: int | None =
     sample)``, is accepted too.
     """
     module, sample, partitions = _arguments("balance_by_time", module, sample, partitions)
+    if sample is None:
+        raise TypeError("balance_by_time needs a sample input to time the layers on")
+    if _meta_device(module, sample, device) is not None:
+        raise ValueError("balance_by_time times real runs, and a meta module, sample or device "
+                         "has no data to run on: balance a meta-built model by size "
+                         "(balance_by_size, shapes only), or time a materialised one")
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, got {repeat}")
     if timeout is not None and not timeout >= 0:
@@ -118,6 +124,10 @@ def balance_by_size(module: nn.Sequential, sample: Any = None, partitions: int |
     temporaries inside a layer are not counted; set ``param_scale`` to cover gradients and
     optimiser state (2 for SGD with gradients, 4 for Adam; by default 1).
 
+    Shapes are all it needs, so it balances a model built on the ``meta`` device (no process
+    holds the whole model): a meta module, or a meta sample, runs on meta. Without a sample
+    (``sample=None``) only the parameters are counted.
+
     torchgpipe's argument order, ``(partitions, module, input, chunks=..., param_scale=...)``,
     is accepted too, with its default ``param_scale=2.0``.
     """
@@ -134,18 +144,30 @@ def balance_by_size(module: nn.Sequential, sample: Any = None, partitions: int |
         param_scale = 2.0 if torchgpipe_order else 1.0
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    if chunks > 1:
+    if chunks > 1 and sample is not None:
         sample = _first_microbatch(sample, chunks)
+    device = _meta_device(module, sample, device) or device
     counted: set[int] = set()
 
     def measure(layer: nn.Module, x: Any, device: torch.device) -> tuple[float, Any]:
-        with torch.no_grad():
-            y = layer(x)
+        y = None
+        if sample is not None:
+            with torch.no_grad():
+                y = layer(x)
         params = [p for p in layer.parameters() if id(p) not in counted]
         counted.update(id(p) for p in params)
         return param_scale * _bytes(params) + _bytes(optree.tree_leaves(y)), y
 
     return partition(_profile(module, sample, partitions, device, measure), partitions)
+
+
+def _meta_device(module: nn.Module, sample: Any, device: Any) -> torch.device | None:
+    """The meta device, where the module, the sample or ``device`` is on it."""
+    tensors = [*module.parameters(), *module.buffers(), *optree.tree_leaves(sample)]
+    if (device is not None and torch.device(device).type == "meta") or any(
+            isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return torch.device("meta")
+    return None
 
 
 def _arguments(name: str, first: Any, second: Any, third: Any) -> tuple[Any, Any, int]:
@@ -156,8 +178,6 @@ def _arguments(name: str, first: Any, second: Any, third: Any) -> tuple[Any, Any
     if third is None:
         raise TypeError(f"{name} needs the number of partitions: {name}(module, sample, "
                         f"partitions=...) or torchgpipe's {name}(partitions, module, sample)")
-    if second is None:
-        raise TypeError(f"{name} needs a sample input to profile the layers on")
     return first, second, third
 
 

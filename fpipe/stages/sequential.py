@@ -8,14 +8,16 @@ module is never read or written during training, and ``load_into`` hands the res
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from fpipe.stages.materialize import Init, place_stages
 from fpipe.stages.module_skip import route_module_skips
+from fpipe.stages.naming import Tie, find_ties, model_names
 
 __all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
            "load_into"]
@@ -29,11 +31,18 @@ class Stages(NamedTuple):
     ``params[i]`` and ``state[i]`` map the names of stage ``i``'s parameters and buffers (as
     ``named_parameters()`` of its module spells them) to detached tensors on its device.
     ``state`` is None for stateless stages (``stateful=False``).
+
+    ``names[i]`` maps each of those local names to the tensor's name in the model (for
+    ``fpipe.saving``: ``save(d, s.params, names=s.names)``), and ``ties`` lists the parameters
+    several stages hold, each as ``((stage, local_name), ...)``: pass ``ties=s.ties`` to the
+    pipeline, which sums the copies' gradients so they stay equal.
     """
 
     stages: tuple
     params: list[Tensors]
     state: list[Tensors] | None
+    names: Sequence[dict[str, str]] = ()
+    ties: tuple[Tie, ...] = ()
 
 
 class ModuleStage:
@@ -69,16 +78,14 @@ class StatefulModuleStage(ModuleStage):
 
 def from_sequential(module: nn.Sequential, balance: Sequence[int],
                     devices: Sequence[torch.device | str] | None = None, *,
-                    stateful: bool = True) -> Stages:
+                    stateful: bool = True, init: Init = "reset_parameters",
+                    held: Iterable[int] | None = None) -> Stages:
     """Cut ``module`` into ``len(balance)`` contiguous partitions of ``balance[i]`` layers.
 
     Partition ``i`` is the slice ``module[a:b]`` (an ``nn.Sequential`` that keeps the layer
-    names, so ``params[i]`` keys read ``"3.weight"`` as in ``module.named_parameters()``), run
-    on ``devices[i]`` (default: all on the CPU; extra devices are left unused). Parameters and
-    buffers are copied there: this is the placement call, the one place fpipe moves tensors.
-
-    With ``stateful=True`` stages take ``(params, state, x) -> (y, new_state)``; with
-    ``stateful=False`` they take ``(params, x) -> y`` and a module with buffers is an error.
+    names, so ``params[i]`` keys read ``"3.weight"`` as in ``module.named_parameters()``, and
+    ``names`` maps each to itself), run on ``devices[i]``. The other arguments are
+    :func:`from_modules`'.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"from_sequential takes an nn.Sequential, got {type(module).__name__}; "
@@ -88,21 +95,41 @@ def from_sequential(module: nn.Sequential, balance: Sequence[int],
     for size in balance:
         bounds.append(bounds[-1] + size)
     parts = [module[a:b] for a, b in zip(bounds, bounds[1:])]
-    return from_modules(parts, devices, stateful=stateful)
+    return from_modules(parts, devices, stateful=stateful, init=init, held=held)
 
 
 def from_modules(modules: Sequence[nn.Module],
                  devices: Sequence[torch.device | str] | None = None, *,
-                 stateful: bool = True) -> Stages:
+                 stateful: bool = True, root: nn.Module | None = None,
+                 init: Init = "reset_parameters", held: Iterable[int] | None = None) -> Stages:
     """One stage per module: ``modules[i]`` runs on ``devices[i]`` and its forward takes the
     previous stage's output as its one argument.
 
     This is how a model that is not an ``nn.Sequential`` is cut: write small adapter modules
     that hold references to the model's submodules (``Embed(model)``, ``Head(model)``) and
-    list them with the blocks between. A parameter shared by two stages (tied weights) is an
-    error naming it and both stages: each stage would train its own copy. Skips of
-    torchgpipe-style skippable layers (:mod:`fpipe.stages.module_skip`) that cross stages are
-    routed by the pipeline.
+    list them with the blocks between. Skips of torchgpipe-style skippable layers
+    (:mod:`fpipe.stages.module_skip`) that cross stages are routed by the pipeline.
+
+    Args:
+        modules: one module per stage.
+        devices: ``devices[i]`` holds and runs stage ``i`` (default: all on the CPU; extra
+            devices are left unused). Parameters and buffers are copied there: this is the
+            placement call, the one place fpipe moves tensors.
+        stateful: stages take ``(params, state, x) -> (y, new_state)``; with False they take
+            ``(params, x) -> y`` and a module with buffers is an error.
+        root: the whole model: ``Stages.names`` then gives each leaf the model's own name,
+            found by the identity of the submodule that owns it (``"head.weight"`` of
+            ``Head(model)`` is ``"lm_head.weight"``). Without it the names are the local ones.
+        init: for modules built on the ``meta`` device, how each stage's tensors are
+            initialised once made on its device (:mod:`fpipe.stages.materialize`):
+            ``"reset_parameters"`` (every submodule's own), a function ``init(submodule)``
+            called on each submodule, or None (left empty, for a checkpoint to fill).
+        held: the stages this process holds (``fpipe.distributed.my_stages``; default: all).
+            Only these get tensors; the others' params and state are meta tensors (shapes
+            only), and a meta-built model's other stages are never allocated.
+
+    A parameter held by several stages (tied weights) is copied to each and listed in
+    ``Stages.ties``; a buffer held by several stages is an error.
     """
     modules = list(modules)
     if not modules:
@@ -111,29 +138,45 @@ def from_modules(modules: Sequence[nn.Module],
         if not isinstance(m, nn.Module):
             raise TypeError(f"modules[{i}] is a {type(m).__name__}, not an nn.Module")
     devices = _check_devices(devices, len(modules))
-    _check_untied(modules)
-    params = [_place(m.named_parameters(), d) for m, d in zip(modules, devices)]
-    state = [_place(m.named_buffers(), d) for m, d in zip(modules, devices)]
-    if stateful:
-        stages = [StatefulModuleStage(m) for m in modules]
-        return Stages(tuple(route_module_skips(stages, modules, True)), params, state)
-    for i, buffers in enumerate(state):
-        if buffers:
-            raise ValueError(f"stage {i} has buffers {sorted(buffers)}, which a stateless stage "
-                             f"cannot carry (BatchNorm's running statistics would be lost): "
-                             f"use stateful=True and pass state= to fpipe.pipeline")
-    stages = [ModuleStage(m) for m in modules]
-    return Stages(tuple(route_module_skips(stages, modules, False)), params, None)
+    held = _check_held(held, len(modules))
+    names = model_names(modules, root)
+    ties = find_ties(modules)
+    if not stateful:
+        for i, m in enumerate(modules):
+            buffers = [name for name, _ in m.named_buffers()]
+            if buffers:
+                raise ValueError(f"stage {i} has buffers {sorted(buffers)}, which a stateless "
+                                 f"stage cannot carry (BatchNorm's running statistics would "
+                                 f"be lost): use stateful=True and pass state= to "
+                                 f"fpipe.pipeline")
+    params, state = place_stages(modules, devices, held, ties, init)
+    kind = StatefulModuleStage if stateful else ModuleStage
+    stages = tuple(route_module_skips([kind(m) for m in modules], modules, stateful))
+    return Stages(stages, params, state if stateful else None, names, ties)
 
 
 def load_into(target: nn.Module | Sequence[nn.Module], params: Sequence[Tensors],
-              state: Sequence[Tensors] | None = None) -> None:
+              state: Sequence[Tensors] | None = None, *,
+              names: Sequence[dict[str, str]] | None = None) -> None:
     """Copy trained ``params`` (and ``state``) back into the module(s) they were taken from.
 
     ``target`` is the ``nn.Sequential`` given to :func:`from_sequential` (whose names are
-    shared by all partitions), or the list of modules given to :func:`from_modules`. Values
-    are copied in place, onto each module tensor's own device.
+    shared by all partitions), or the list of modules given to :func:`from_modules`; or, with
+    ``names`` (``Stages.names``), the whole model given as ``root``, each leaf going to its
+    model name. Values are copied in place, onto each module tensor's own device; the copies
+    of a tie all land, so every name of a tied weight gets its trained value.
     """
+    if names is not None:
+        if not isinstance(target, nn.Module):
+            raise TypeError("with names=, target is the whole model (the root given to "
+                            "from_modules)")
+        if len(names) != len(params):
+            raise ValueError(f"got {len(names)} name maps but {len(params)} parameter dicts")
+        params = [{names[i].get(k, k): v for k, v in part.items()} for i, part in
+                  enumerate(params)]
+        if state is not None:
+            state = [{names[i].get(k, k): v for k, v in part.items()} for i, part in
+                     enumerate(state)]
     if isinstance(target, nn.Module):
         modules = [target] * len(params)
     else:
@@ -153,12 +196,6 @@ def load_into(target: nn.Module | Sequence[nn.Module], params: Sequence[Tensors]
                     raise KeyError(f"stage {i}'s {name!r} is not a parameter or buffer of "
                                    f"{type(module).__name__}")
                 own[name].copy_(value)
-
-
-def _place(named: Any, device: torch.device) -> Tensors:
-    # Always a copy: on the CPU a bare detach would alias the module, so an optimiser step on
-    # the stage's tensors would change the module on one device type and not on another.
-    return {name: t.detach().to(device, copy=True) for name, t in named}
 
 
 def check_balance(balance: Sequence[int], n_layers: int) -> list[int]:
@@ -185,14 +222,11 @@ def _check_devices(devices: Sequence | None, n_stages: int) -> list[torch.device
     return devices[:n_stages]
 
 
-def _check_untied(modules: list[nn.Module]) -> None:
-    """A tensor in two stages would be copied to each and trained apart: refuse it."""
-    owner: dict[int, tuple[int, str]] = {}
-    for i, module in enumerate(modules):
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            if id(t) in owner:
-                j, first = owner[id(t)]
-                raise ValueError(f"{first!r} of stage {j} and {name!r} of stage {i} are the same "
-                                 f"tensor (tied weights); stages cannot share a tensor: keep "
-                                 f"tied layers in one stage, or untie them")
-            owner[id(t)] = (i, name)
+def _check_held(held: Iterable[int] | None, n_stages: int) -> frozenset[int]:
+    if held is None:
+        return frozenset(range(n_stages))
+    held = list(held)
+    for s in held:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < n_stages:
+            raise ValueError(f"held names stage {s!r}, but the stages are 0 to {n_stages - 1}")
+    return frozenset(held)

@@ -1,0 +1,163 @@
+"""Each stage's tensors on its device: copied from a built model, or made from a meta one.
+
+A model built on the ``meta`` device (``with torch.device("meta"): model = Model()``) has
+shapes and no data, so no process ever holds it whole. :func:`place_stages` gives each stage
+this process holds (``held``) real tensors on its own device and initialises them there:
+
+- **Storage.** Every meta tensor of the stage's module gets uninitialised storage on the
+  stage's device, in place, as ``nn.Module.to_empty`` does, except that a tensor shared by two
+  names of the stage stays one tensor (``to_empty`` would split it in two). The stage's params
+  then *are* the module's tensors: a second copy would double the memory the meta build saved.
+- **Initialisers**, in this order (the order a CPU-built reference must follow to get the same
+  values from the same seed): stage by stage, each submodule of the stage's module in
+  ``modules()`` order, once (a submodule shared with an earlier stage was done there):
+  ``init="reset_parameters"`` calls its ``reset_parameters()`` where it has one (and a
+  submodule holding a meta tensor without one is an error naming it); a callable ``init`` is
+  called as ``init(submodule)`` (HF's ``model._init_weights``); ``init=None`` leaves the
+  storage uninitialised, for a checkpoint (DCP) to fill in place.
+- **Ties.** A tie's copies are then given its first member's value, so they start equal.
+
+Stages not held stay on ``meta``: their params are meta tensors (shapes only, no memory).
+Stages built with real tensors are copied to their device (held ones) as they always were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fpipe.stages.naming import Tie
+
+__all__ = ["place_stages", "Init"]
+
+Tensors = dict[str, torch.Tensor]
+Init = Callable[[nn.Module], Any] | str | None
+
+
+def place_stages(modules: Sequence[nn.Module], devices: Sequence[torch.device],
+                 held: frozenset[int], ties: Sequence[Tie],
+                 init: Init) -> tuple[list[Tensors], list[Tensors]]:
+    """``(params, state)`` per stage: see the module's docstring. Everything is checked before
+    any module is touched."""
+    if not (init is None or init == "reset_parameters" or callable(init)):
+        raise ValueError(f"init must be 'reset_parameters', a function init(module) or None, "
+                         f"got {init!r}")
+    on_meta = [_on_meta(i, m) for i, m in enumerate(modules)]
+    made_here = {i for i in held if on_meta[i]}
+    if init == "reset_parameters":
+        for i in sorted(made_here):
+            _check_initialisers(i, modules[i])
+    if init is not None:
+        _check_ties_held(ties, held, made_here)
+    params, state, done = [], [], set()
+    for i, (module, device) in enumerate(zip(modules, devices)):
+        if i not in held:
+            take = _shapes
+        elif on_meta[i]:
+            made = _materialize(module, device)
+            _initialise(module, init, done)
+            take = _taker(device, made)
+        else:
+            take = _taker(device, set())
+        params.append(take(module.named_parameters()))
+        state.append(take(module.named_buffers()))
+    if init is not None:
+        _equalise(ties, params, made_here)
+    return params, state
+
+
+def _on_meta(i: int, module: nn.Module) -> bool:
+    """Whether stage ``i`` is built on meta; a stage partly on meta is an error."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    meta = [name for name, t in named if t.is_meta]
+    if meta and len(meta) != len(named):
+        real = [name for name, t in named if not t.is_meta]
+        raise ValueError(f"stage {i} has tensors on the meta device ({meta[:3]}) and others "
+                         f"not ({real[:3]}): build the whole stage on meta, or none of it")
+    return bool(meta)
+
+
+def _direct_meta(module: nn.Module) -> list[str]:
+    return [name for slots in (module._parameters, module._buffers)
+            for name, t in slots.items() if t is not None and t.is_meta]
+
+
+def _check_initialisers(i: int, module: nn.Module) -> None:
+    for path, sub in module.named_modules():
+        bare = _direct_meta(sub)
+        if bare and not callable(getattr(sub, "reset_parameters", None)):
+            names = [f"{path}.{n}" if path else n for n in bare]
+            raise ValueError(f"stage {i}'s {names} are on the meta device and their "
+                             f"{type(sub).__name__} has no reset_parameters() to initialise "
+                             f"them: pass init= (a function called on each submodule), or "
+                             f"init=None to leave them for a checkpoint to fill")
+
+
+def _check_ties_held(ties: Sequence[Tie], held: frozenset[int], made_here: set[int]) -> None:
+    for tie in ties:
+        stages = {s for s, _ in tie}
+        if stages & made_here and not stages <= held:
+            raise ValueError(f"tie {list(tie)} has stages {sorted(stages - held)} not held "
+                             f"here, so the copies initialised here cannot be given the value "
+                             f"those stages get: hold all of a tie's stages in one process, "
+                             f"or build with init=None and load the tied weights from a "
+                             f"checkpoint")
+
+
+def _materialize(module: nn.Module, device: torch.device) -> set[int]:
+    """Uninitialised storage on ``device`` for every meta tensor of ``module``, in place,
+    shared tensors kept shared; the ids of the new tensors."""
+    new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, real)
+    for sub in module.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for key, t in slots.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in new:
+                    real = torch.empty_like(t, device=device)
+                    if isinstance(t, nn.Parameter):
+                        real = nn.Parameter(real, requires_grad=t.requires_grad)
+                    new[id(t)] = (t, real)
+                slots[key] = new[id(t)][1]
+    return {id(real) for _, real in new.values()}
+
+
+def _initialise(module: nn.Module, init: Init, done: set[int]) -> None:
+    with torch.no_grad():
+        for sub in module.modules():
+            if id(sub) in done:
+                continue
+            done.add(id(sub))
+            if init == "reset_parameters":
+                if callable(getattr(sub, "reset_parameters", None)):
+                    sub.reset_parameters()
+            elif init is not None:
+                init(sub)
+
+
+def _taker(device: torch.device, made: set[int]) -> Callable[[Iterable], Tensors]:
+    # A copy, except of the tensors just made here: on the CPU a bare detach would alias the
+    # module, so an optimiser step on the stage's tensors would change the module on one
+    # device type and not on another; a meta-built stage's tensors are its module's alike.
+    def take(named: Iterable) -> Tensors:
+        return {name: t.detach() if id(t) in made else t.detach().to(device, copy=True)
+                for name, t in named}
+    return take
+
+
+def _shapes(named: Iterable) -> Tensors:
+    return {name: t.detach() if t.is_meta else torch.empty_like(t, device="meta")
+            for name, t in named}
+
+
+def _equalise(ties: Sequence[Tie], params: list[Tensors], made_here: set[int]) -> None:
+    with torch.no_grad():
+        for tie in ties:
+            if not any(s in made_here for s, _ in tie):
+                continue
+            (first, name), *others = tie
+            for s, other in others:
+                params[s][other].copy_(params[first][name])
