@@ -336,13 +336,129 @@ def test_stateless_stages_refuse_buffers():
         from_sequential(bn_model(), [1, 6], stateful=False)
 
 
-def test_tied_parameters_are_refused_naming_both_stages():
+def tied_sequential():
+    torch.manual_seed(0)
     first, last = nn.Linear(4, 4), nn.Linear(4, 4)
     last.weight = first.weight
-    model = nn.Sequential(first, nn.ReLU(), last)
-    from_sequential(model, [3])  # tied within one stage: fine
-    with pytest.raises(ValueError, match=r"'0.weight' of stage 0 and '2.weight' of stage 1"):
-        from_sequential(model, [2, 1])
+    return nn.Sequential(first, nn.Tanh(), last).double()
+
+
+def test_a_parameter_in_two_stages_becomes_a_tie_with_a_copy_per_stage():
+    model = tied_sequential()
+    s = from_sequential(model, [2, 1], stateful=False)
+    assert s.ties == (((0, "0.weight"), (1, "2.weight")),)
+    assert s.names == [{"0.weight": "0.weight", "0.bias": "0.bias"},
+                       {"2.weight": "2.weight", "2.bias": "2.bias"}]
+    a, b = s.params[0]["0.weight"], s.params[1]["2.weight"]
+    assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    assert a.data_ptr() != model[0].weight.data_ptr()
+    # Summed over the tie, the copies' gradients are the tied weight's own (float64).
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with fpipe.pipeline(s.stages, s.params, schedule=gpipe(chunks=3),
+                        loss_fn=F.mse_loss) as pipe:
+        _, grads = pipe.value_and_grad(x, target)
+    F.mse_loss(model(x), target).backward()
+    torch.testing.assert_close(grads[0]["0.weight"] + grads[1]["2.weight"], model[0].weight.grad,
+                               **TIGHT)
+    torch.testing.assert_close(grads[1]["2.bias"], model[2].bias.grad, **TIGHT)
+
+
+def test_a_tensor_shared_within_one_stage_is_passed_once():
+    model = tied_sequential()
+    s = from_sequential(model, [3])
+    assert s.ties == () and sorted(s.params[0]) == ["0.bias", "0.weight", "2.bias"]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y, _ = s.stages[0](s.params[0], s.state[0], x)
+    torch.testing.assert_close(y, model(x), **TIGHT)
+
+
+def test_a_buffer_in_two_stages_is_refused():
+    first, second = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+    second.running_mean = first.running_mean
+    model = nn.Sequential(first, second)
+    with pytest.raises(ValueError, match=r"'0.running_mean' \(buffer\) of stage 0, "
+                                         r"'1.running_mean' \(buffer\) of stage 1 are the same "
+                                         r"tensor.*state cannot be tied"):
+        from_sequential(model, [1, 1])
+
+
+class Tiny(nn.Module):
+    """A model whose output layer shares the input embedding's weight, as GPT-2's does."""
+
+    def __init__(self, vocab=7, width=4):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+class TiedEmbed(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.embed = model.wte
+
+    def forward(self, ids):
+        return self.embed(ids)
+
+
+class TiedHead(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.head = model.lm_head
+
+    def forward(self, h):
+        return self.head(h)
+
+
+def tiny_stages(model):
+    return [TiedEmbed(model), model.body, TiedHead(model)]
+
+
+def test_names_are_the_models_own_found_by_module():
+    model = Tiny()
+    s = from_modules(tiny_stages(model), root=model, stateful=False)
+    assert s.names == [{"embed.weight": "wte.weight"},
+                       {"0.weight": "body.0.weight", "0.bias": "body.0.bias"},
+                       {"head.weight": "lm_head.weight"}]  # by module: not wte.weight
+    assert s.ties == (((0, "embed.weight"), (2, "head.weight")),)
+    # Without root, the names are the stages' own.
+    assert from_modules(tiny_stages(model), stateful=False).names[2] == {
+        "head.weight": "head.weight"}
+    stray = nn.Sequential(model.body, nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"stage 1's '1.weight' belongs to a Linear that is "
+                                         r"not a submodule of root \(Tiny\)"):
+        from_modules([TiedEmbed(model), stray], root=model)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_load_into_hands_a_tied_weight_to_both_names(device):
+    with torch.device(device):  # on meta, materialising gives each stage its own copy
+        model = Tiny()
+    modules = tiny_stages(model)
+    s = from_modules(modules, root=model, stateful=False)
+    assert (model.wte.weight is model.lm_head.weight) == (device == "cpu")
+    trained = torch.randn(7, 4)
+    for (stage, name) in s.ties[0]:
+        s.params[stage][name].copy_(trained)  # what a step on summed gradients keeps equal
+    load_into(modules, s.params)
+    assert torch.equal(model.wte.weight, trained) and torch.equal(model.lm_head.weight, trained)
+    trained = trained + 1
+    for (stage, name) in s.ties[0]:
+        s.params[stage][name].copy_(trained)
+    load_into(model, s.params, names=s.names)  # the whole model, by the model's names
+    assert torch.equal(model.wte.weight, trained) and torch.equal(model.lm_head.weight, trained)
+
+
+def test_held_stages_only_are_copied():
+    model = Tiny()
+    s = from_modules(tiny_stages(model), root=model, stateful=False, held=[1])
+    assert all(t.is_meta for t in s.params[0].values())
+    assert all(t.is_meta for t in s.params[2].values())
+    assert s.params[2]["head.weight"].shape == (7, 4)
+    torch.testing.assert_close(s.params[1]["0.weight"], model.body[0].weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"held names stage 3, but the stages are 0 to 2"):
+        from_modules(tiny_stages(model), held=[3])
 
 
 def test_load_into_errors():
