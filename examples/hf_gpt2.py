@@ -4,12 +4,15 @@
     python examples/hf_gpt2.py [--steps 30] [--chunks 4]
 
 The model is ``GPT2LMHeadModel`` built from a tiny config with random weights (nothing is
-downloaded), its input and output embeddings untied (stages cannot share a tensor). Three
-adapter modules hold the model's own layers: embeddings (``wte + wpe``, dropout), a run of
-blocks (which builds the causal mask the blocks expect), and the head (``ln_f``, ``lm_head``);
-``fpipe.stages.from_modules`` turns them into stages. The data follows the rule
-``next = (5 * token + 3) % vocab``, so the loss falls as the model learns it. At the end the
-trained weights are handed back to the model, whose own forward gives the final loss.
+downloaded), its output layer tied to the input embedding as GPT-2's is. Three kinds of adapter
+module hold the model's own layers: embeddings (``wte + wpe``, dropout), a run of blocks (which
+builds the causal mask the blocks expect), and the head (``ln_f``, ``lm_head``); four stages in
+all. ``fpipe.stages.from_modules(..., root=model)`` turns them into stages: the tied weight is
+in the first stage and the last, so each gets a copy and ``s.ties`` names the pair; the
+pipeline, given ``ties=s.ties``, sums the two copies' gradients, so the same optimiser step
+keeps them equal. The data follows the rule ``next = (5 * token + 3) % vocab``, so the loss
+falls as the model learns it. At the end the trained weights are handed back to the model
+(both names of the tied weight), whose own forward gives the final loss.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def tiny_gpt2(vocab: int = 100, layers: int = 4, width: int = 32, context: int =
               dropout: float = 0.0) -> GPT2LMHeadModel:
     config = GPT2Config(vocab_size=vocab, n_positions=context, n_embd=width, n_layer=layers,
                         n_head=4, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
                         attn_implementation="eager")
     return GPT2LMHeadModel(config)
 
@@ -98,10 +101,11 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     vocab, length, batch = 100, 16, 16
     model = tiny_gpt2(vocab)
     modules = cut(model)
-    s = from_modules(modules, stateful=False)
+    s = from_modules(modules, root=model, stateful=False)
+    print(f"tied across stages: {s.ties}")
     optimizer = torch.optim.AdamW(optree.tree_leaves(s.params), lr=args.lr)
     with fpipe.pipeline(s.stages, s.params, schedule=one_f_one_b(chunks=args.chunks),
-                        loss_fn=next_token_loss) as pipe:
+                        loss_fn=next_token_loss, ties=s.ties) as pipe:
         print(f"GPT-2 from transformers in {len(s.stages)} stages:\n{pipe.program}")
         first = None
         for step in range(1, args.steps + 1):
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
             first = loss.item() if first is None else first
             print(f"step {step:3d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}")
 
-    load_into(modules, s.params)  # the adapters hold the model's layers: this trains `model`
+    load_into(model, s.params, names=s.names)  # to the model's own names, both tied ones
     ids, targets = synthetic_batch(batch, length, vocab)
     with torch.no_grad():
         trained = next_token_loss(model(ids).logits, targets).item()
