@@ -1,198 +1,275 @@
-"""Saving and loading a pipeline's parameters, state and optimiser, by name, one file per
-stage. (The module is ``saving``, not ``checkpoint``: in ``fpipe.GPipe(checkpoint=...)``, as in
-torchgpipe, a checkpoint is a recomputation.)
+"""Checkpoints of a pipeline through ``torch.distributed.checkpoint`` (DCP), keyed by the
+model's own names. (The module is ``saving``, not ``checkpoint``: in
+``fpipe.GPipe(checkpoint=...)``, as in torchgpipe, a checkpoint is a recomputation.)
 
-A checkpoint is a directory: ``stage-{i}`` holds stage ``i``'s parameters and state tensors,
-``optimizer-{i}`` the optimiser's tensors for them, and ``index.json`` which names each stage
-holds, the optimiser's hyper-parameters and its non-tensor state. Tensors are keyed by name,
-not by stage, so a checkpoint written by one cut of a model loads into another: a different
-balance, or the plain model (``model.load_state_dict(load(directory))``). A leaf's name is its
-path in its stage's pytree joined by dots; for stages from ``from_sequential`` that is the
-module's own name (``"3.weight"``). Files are safetensors where that package is installed
-(no pickle, safe to load from others), ``torch.save`` otherwise.
+fpipe has no file format of its own: :func:`save` hands DCP a state dict laid out as
+``torch.distributed.checkpoint.state_dict.get_state_dict`` lays out a module's and its
+optimiser's, with ``StateDictOptions(flatten_optimizer_state_dict=True)``:
+
+- ``"model"``: ``{name: tensor}``, every parameter and buffer under the name the whole model
+  gives it (``"lm_head.weight"``), whichever stage holds it;
+- ``"optim"``: ``{"state.<name>.<key>": value, "param_groups.<name>.<key>": value}``, the
+  optimiser's state and hyper-parameters per parameter.
+
+The optimiser's part is flat because the nested form
+(``{"state": ..., "param_groups": [{"params": [names]}]}``) keeps each group's list of names
+as one value, which every rank of a pipeline would write with other names in it; flat, each
+value belongs to one parameter (torch's option exists for pipeline parallelism). The tensors'
+keys are the same in both forms.
+
+So the ranks of a pipeline each write their own stages' tensors into one checkpoint (data
+parallel replicas write the same keys: DCP's planner writes each once), and any cut of the
+model loads it, on any number of ranks, as does the plain ``nn.Module`` (:func:`load_module`,
+or ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` with that option).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import json
+import contextlib
 import os
-from collections.abc import Sequence
-from pathlib import Path
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["save", "load", "load_optimizer", "names"]
+__all__ = ["save", "load", "load_module", "names"]
 
-_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
-
-
-def _has_safetensors() -> bool:
-    # An optional dependency (the [hf] extra), imported only when a file is written or read.
-    return importlib.util.find_spec("safetensors") is not None
+_MODEL, _OPTIM = "model", "optim"
 
 
 def names(tree: Any) -> list[str]:
-    """The name of each leaf of one stage's pytree, in leaf order."""
+    """The name of each leaf of one stage's pytree, in leaf order: its path, joined by dots
+    (``"wte.weight"`` for the dicts ``from_modules`` makes)."""
     paths, _, _ = optree.tree_flatten_with_path(tree)
     return [".".join(str(key) for key in path) for path in paths]
 
 
-def _named(trees: Sequence[Any], what: str) -> list[dict[str, torch.Tensor]]:
-    """Per stage, name -> leaf; a name in two stages is an error (it could not be told apart)."""
-    seen: dict[str, int] = {}
+def _stages(trees: Sequence[Any] | Mapping[int, Any] | None) -> list[tuple[int, Any]]:
+    """``(stage, pytree)`` pairs of a list (every stage) or a ``{stage: pytree}`` dict (a
+    distributed rank's stages)."""
+    if trees is None:
+        return []
+    if isinstance(trees, Mapping):
+        return sorted(trees.items())
+    return list(enumerate(trees))
+
+
+def _model_names(params: Any, state: Any, rename: Any) -> dict[str, tuple[int, torch.Tensor]]:
+    """Model name -> ``(stage, leaf)`` for every leaf of ``params`` and ``state``, refusing a
+    leaf ``rename`` misses, a leaf that is not a tensor and two leaves under one name."""
+    found: dict[str, tuple[int, torch.Tensor]] = {}
+    for what, trees in (("params", params), ("state", state)):
+        for stage, tree in _stages(trees):
+            table = None if rename is None else _names_of(rename, stage)
+            for local, leaf in zip(names(tree), optree.tree_leaves(tree)):
+                if not isinstance(leaf, torch.Tensor):
+                    raise TypeError(f"{what}[{stage}][{local!r}] is a {type(leaf).__name__}, "
+                                    f"not a tensor: a checkpoint holds tensors")
+                if table is not None and local not in table:
+                    raise KeyError(f"names[{stage}] has no entry for {what}[{stage}][{local!r}]:"
+                                   f" give every leaf of the stage its model name")
+                name = local if table is None else table[local]
+                if name in found:
+                    first = found[name][0]
+                    raise ValueError(
+                        f"stage {first} and stage {stage} both hold a leaf named {name!r}: a "
+                        f"checkpoint keys tensors by the model's names, so give names= "
+                        f"(Stages.names) mapping each stage's leaves to the model's names")
+                found[name] = (stage, leaf)
+    return found
+
+
+def _names_of(rename: Any, stage: int) -> Mapping[str, str]:
+    try:
+        return rename[stage]
+    except (KeyError, IndexError):
+        raise KeyError(f"names has no entry for stage {stage}") from None
+
+
+def _optimizer_names(optimizer: torch.optim.Optimizer,
+                     model: dict[str, tuple[int, torch.Tensor]]) -> list[str]:
+    """The model name of each tensor the optimiser holds, in its ``state_dict``'s order."""
+    name_of = {id(leaf): name for name, (_, leaf) in model.items()}
     result = []
-    for s, tree in enumerate(trees):
-        named = dict(zip(names(tree), optree.tree_leaves(tree)))
-        for name in named:
-            if name in seen:
-                raise ValueError(f"{what}[{seen[name]}] and {what}[{s}] both hold {name!r}: a "
-                                 f"checkpoint keys tensors by name, so names must be unique "
-                                 f"across stages (from_sequential's are)")
-            seen[name] = s
-        result.append(named)
-    return result
-
-
-def _write(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    if fmt == "safetensors":
-        importlib.import_module("safetensors.torch").save_file(tensors, str(path))
-    else:
-        torch.save(tensors, path)
-
-
-def _read(path: Path, fmt: str) -> dict[str, torch.Tensor]:
-    if fmt == "safetensors":
-        if not _has_safetensors():
-            raise ImportError(f"{path} is a safetensors file: pip install safetensors")
-        return importlib.import_module("safetensors.torch").load_file(str(path))
-    return torch.load(path, weights_only=True)
-
-
-def save(directory: str | os.PathLike, params: Sequence[Any], state: Sequence[Any] | None = None,
-         *, optimizer: torch.optim.Optimizer | None = None, format: str | None = None) -> None:
-    """Write ``params`` (one pytree per stage), ``state`` and ``optimizer`` to ``directory``.
-
-    ``optimizer`` must have been built on the leaves of ``params`` (any order, any groups).
-    ``format`` is ``"safetensors"`` or ``"torch"``; by default safetensors when installed.
-    """
-    fmt = format or ("safetensors" if _has_safetensors() else "torch")
-    if fmt not in _SUFFIX:
-        raise ValueError(f"format must be 'safetensors' or 'torch', got {fmt!r}")
-    if fmt == "safetensors" and not _has_safetensors():
-        raise ImportError("format='safetensors' needs the safetensors package")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    named_params = _named(params, "params")
-    named_state = _named(state, "state") if state is not None else [{} for _ in params]
-    index: dict[str, Any] = {"format": fmt, "stages": []}
-    for s, (p, b) in enumerate(zip(named_params, named_state)):
-        clash = set(p) & set(b)
-        if clash:
-            raise ValueError(f"stage {s} has {sorted(clash)} in both params and state")
-        _write({**p, **b}, directory / f"stage-{s}{_SUFFIX[fmt]}", fmt)
-        index["stages"].append({"params": list(p), "state": list(b)})
-    if optimizer is not None:
-        index["optimizer"] = _save_optimizer(directory, optimizer, named_params, fmt)
-    (directory / "index.json").write_text(json.dumps(index, indent=1))
-
-
-def _save_optimizer(directory: Path, optimizer: torch.optim.Optimizer,
-                    named_params: list[dict[str, torch.Tensor]], fmt: str) -> dict:
-    where = {id(leaf): (s, name) for s, named in enumerate(named_params)
-             for name, leaf in named.items()}
-    saved = optimizer.state_dict()
-    order = [p for group in optimizer.param_groups for p in group["params"]]
-    tensors: list[dict[str, torch.Tensor]] = [{} for _ in named_params]
-    other: dict[str, dict[str, Any]] = {}
-    for i, values in saved["state"].items():
-        if id(order[i]) not in where:
-            raise ValueError("the optimizer holds a tensor that is not a leaf of params")
-        s, name = where[id(order[i])]
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors[s][f"{name}/{key}"] = value
-            else:
-                other.setdefault(name, {})[key] = value
-    for s, stage_tensors in enumerate(tensors):
-        _write(stage_tensors, directory / f"optimizer-{s}{_SUFFIX[fmt]}", fmt)
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [where[id(p)][1] for p in group["params"]]}
-              for group in optimizer.param_groups]
-    return {"groups": groups, "other": other}
-
-
-def _index(directory: Path) -> dict:
-    return json.loads((directory / "index.json").read_text())
-
-
-def load(directory: str | os.PathLike, like: Sequence[Any] | None = None) -> Any:
-    """What :func:`save` wrote. Without ``like``: one flat dict, name -> tensor (on the CPU),
-    of every stage's parameters and state, as ``nn.Module.load_state_dict`` takes. With
-    ``like`` (one pytree per stage, e.g. another balance's ``params`` or ``state``): pytrees
-    shaped like it, each leaf the tensor of the same name, on the device of ``like``'s leaf."""
-    directory = Path(directory)
-    index = _index(directory)
-    suffix = _SUFFIX[index["format"]]
-    flat: dict[str, torch.Tensor] = {}
-    for s in range(len(index["stages"])):
-        flat.update(_read(directory / f"stage-{s}{suffix}", index["format"]))
-    if like is None:
-        return flat
-    result = []
-    for s, named in enumerate(_named(like, "like")):
-        missing = sorted(set(named) - set(flat))
-        if missing:
-            raise KeyError(f"like[{s}] has {missing}, which the checkpoint does not hold")
-        for name, leaf in named.items():
-            if flat[name].shape != leaf.shape:
-                raise ValueError(f"{name!r} is {tuple(flat[name].shape)} in the checkpoint but "
-                                 f"{tuple(leaf.shape)} in like[{s}]")
-        leaves = [flat[name].to(leaf.device, leaf.dtype) for name, leaf in named.items()]
-        result.append(optree.tree_unflatten(optree.tree_structure(like[s]), leaves))
-    return result
-
-
-def load_optimizer(directory: str | os.PathLike, optimizer: torch.optim.Optimizer,
-                   params: Sequence[Any]) -> None:
-    """Restore ``optimizer``, built on the leaves of ``params`` (any cut of the model, with its
-    parameter groups in the saved order), from a checkpoint :func:`save` wrote with one."""
-    directory = Path(directory)
-    index = _index(directory)
-    if "optimizer" not in index:
-        raise KeyError(f"the checkpoint in {directory} has no optimizer state")
-    saved = index["optimizer"]
-    suffix = _SUFFIX[index["format"]]
-    tensors: dict[str, torch.Tensor] = {}
-    for s in range(len(index["stages"])):
-        tensors.update(_read(directory / f"optimizer-{s}{suffix}", index["format"]))
-    name_of = {id(leaf): name for named in _named(params, "params")
-               for name, leaf in named.items()}
-    if len(saved["groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint has {len(saved['groups'])} parameter groups but the "
-                         f"optimizer has {len(optimizer.param_groups)}")
-    by_name: dict[str, dict[str, Any]] = {}
-    for key, t in tensors.items():
-        name, field = key.rsplit("/", 1)
-        by_name.setdefault(name, {})[field] = t
-    state: dict[int, dict[str, Any]] = {}
-    groups, i = [], 0
-    for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["groups"])):
-        if sorted(name_of[id(p)] for p in group["params"]) != sorted(saved_group["params"]):
-            raise ValueError(f"parameter group {g} of the optimizer holds other parameters "
-                             f"than the checkpoint's")
-        ids = []
+    for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            name = name_of[id(p)]
-            values = {**by_name.get(name, {}), **saved["other"].get(name, {})}
-            if values:
-                state[i] = values
-            ids.append(i)
-            i += 1
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+            if id(p) not in name_of:
+                raise ValueError(f"the optimizer's parameter group {g} holds a tensor of shape "
+                                 f"{tuple(p.shape)} that is not a leaf of params")
+            result.append(name_of[id(p)])
+    return result
+
+
+def _flat_optimizer(optimizer: torch.optim.Optimizer, order: list[str]) -> dict[str, Any]:
+    """The optimiser's ``state_dict`` in torch's flattened layout, keyed by model names."""
+    saved = optimizer.state_dict()
+    flat: dict[str, Any] = {}
+    for i, values in saved["state"].items():
+        for key, value in values.items():
+            if isinstance(value, Mapping):
+                raise TypeError(f"the optimizer's state {key!r} of {order[i]!r} is nested; "
+                                f"fpipe.saving takes optimisers with flat per-parameter state")
+            flat[f"state.{order[i]}.{key}"] = value
+    for group in saved["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for i in group["params"]:
+            flat.update({f"param_groups.{order[i]}.{k}": v for k, v in hyper.items()})
+    return flat
+
+
+def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any],
+         state: Sequence[Any] | Mapping[int, Any] | None = None, *,
+         optimizer: torch.optim.Optimizer | None = None,
+         names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
+         process_group: Any = None) -> None:
+    """Write a checkpoint of ``params``, ``state`` and ``optimizer`` to ``directory`` with
+    ``torch.distributed.checkpoint.save``.
+
+    ``params`` / ``state``: one pytree per stage (a list), or the ``{stage: pytree}`` of the
+    stages this rank holds (``fpipe.distributed``). ``optimizer``: built on leaves of
+    ``params`` (any order, any groups). ``names``: per stage (a list, or a dict by stage),
+    each leaf's local name -> the model's name (``Stages.names``); without it a leaf's name is
+    its path in its stage's pytree, which must then be unique across stages.
+    ``process_group``: the ranks that save together, each calling ``save`` with its own
+    stages (default: every rank, when a process group is initialised; else this process).
+    Every check runs before anything is written.
+    """
+    model = _model_names(params, state, names)
+    state_dict: dict[str, Any] = {_MODEL: {name: leaf.detach() for name, (_, leaf)
+                                           in model.items()}}
+    if optimizer is not None:
+        state_dict[_OPTIM] = _flat_optimizer(optimizer, _optimizer_names(optimizer, model))
+    with _quiet():
+        dcp.save(state_dict, checkpoint_id=directory, process_group=process_group)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP in one process (no process group initialised), without its warning that it
+    assumes so: for fpipe that is the documented way, not a guess."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or "
+                                "uninitialized", UserWarning)
+        yield
+
+
+def _metadata(directory: str | os.PathLike) -> dict[str, Any]:
+    """What the checkpoint holds: DCP key -> its storage metadata (size and dtype)."""
+    try:
+        return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r} (DCP's .metadata "
+                                f"file is missing)") from None
+
+
+def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any]) -> None:
+    for name, (stage, leaf) in model.items():
+        saved = held.get(f"{_MODEL}.{name}")
+        if not isinstance(saved, TensorStorageMetadata):
+            raise KeyError(f"{name!r} (stage {stage}) is not in the checkpoint")
+        shape, dtype = tuple(saved.size), saved.properties.dtype
+        if shape != tuple(leaf.shape) or dtype != leaf.dtype:
+            raise ValueError(f"{name!r} (stage {stage}) is {shape} {dtype} in the checkpoint "
+                             f"but {tuple(leaf.shape)} {leaf.dtype} here")
+
+
+def _optimizer_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]:
+    """The flat optimiser entries the checkpoint holds for these parameters, as DCP fills
+    them: an empty tensor of the saved size and dtype, or a placeholder for other values."""
+    wanted = set(order)
+    request: dict[str, Any] = {}
+    prefix = f"{_OPTIM}."
+    for key, saved in held.items():
+        if not key.startswith(prefix):
+            continue
+        section, _, rest = key[len(prefix):].partition(".")
+        name = rest.rpartition(".")[0]
+        if section in ("state", "param_groups") and name in wanted:
+            request[key[len(prefix):]] = (
+                torch.empty(saved.size, dtype=saved.properties.dtype)
+                if isinstance(saved, TensorStorageMetadata) else None)
+    for name in order:
+        if not any(k.startswith(f"param_groups.{name}.") for k in request):
+            raise KeyError(f"the checkpoint holds no optimizer state for {name!r}")
+    return request
+
+
+def _optimizer_state_dict(optimizer: torch.optim.Optimizer, order: list[str],
+                          flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` (model names) mapped back to ``optimizer``'s own ``state_dict`` form: its
+    parameter groups as they are, each group's hyper-parameters from its first parameter."""
+    per_name: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, value in flat.items():
+        section, _, rest = key.partition(".")
+        name, _, field = rest.rpartition(".")
+        per_name.setdefault(name, {}).setdefault(section, {})[field] = value
+    state, groups, i = {}, [], 0
+    for group in optimizer.param_groups:
+        ids = list(range(i, i + len(group["params"])))
+        for j in ids:
+            if per_name[order[j]].get("state"):
+                state[j] = per_name[order[j]]["state"]
+        hyper = per_name[order[ids[0]]]["param_groups"] if ids else {}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, **hyper,
                        "params": ids})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+        i += len(ids)
+    return {"state": state, "param_groups": groups}
+
+
+def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any],
+         state: Sequence[Any] | Mapping[int, Any] | None = None, *,
+         optimizer: torch.optim.Optimizer | None = None,
+         names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
+         process_group: Any = None) -> Any:
+    """Fill ``params``' and ``state``'s tensors, in place, from the checkpoint in
+    ``directory`` (``torch.distributed.checkpoint.load``); returns ``params``, or
+    ``(params, state)`` when ``state`` is given.
+
+    The arguments are :func:`save`'s: any cut of the model, on any number of ranks, loads
+    any checkpoint of it, each tensor found by its model name. ``optimizer`` (built on
+    leaves of ``params``) gets its state and hyper-parameters by ``load_state_dict``. A
+    leaf missing from the checkpoint, or saved with another shape or dtype, is an error
+    naming it, raised before anything is read.
+    """
+    held = _metadata(directory)
+    model = _model_names(params, state, names)
+    _check_model(model, held)
+    request: dict[str, Any] = {_MODEL: {name: leaf for name, (_, leaf) in model.items()}}
+    if optimizer is not None:
+        order = _optimizer_names(optimizer, model)
+        request[_OPTIM] = _optimizer_request(order, held)
+    with torch.no_grad(), _quiet():
+        dcp.load(request, checkpoint_id=directory, process_group=process_group)
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, request[_OPTIM]))
+    return params if state is None else (params, state)
+
+
+def load_module(directory: str | os.PathLike, module: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint into the plain ``module`` (and its ``optimizer``), as torch's
+    ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` do with
+    ``flatten_optimizer_state_dict=True``: every name ``module.state_dict()`` lists must be
+    in the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    if optimizer is None:
+        state_dict = {_MODEL: get_model_state_dict(module, options=options)}
+    else:
+        model, optim = get_state_dict(module, optimizer, options=options)
+        state_dict = {_MODEL: model, _OPTIM: optim}
+    _metadata(directory)
+    with _quiet():
+        dcp.load(state_dict, checkpoint_id=directory)
+    set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
+                   optim_state_dict=state_dict.get(_OPTIM, {}), options=options)

@@ -503,3 +503,72 @@ SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_d
              "large_cuda": large_cuda, "concurrent": concurrent,
              "options": options, "seqlen": seqlen,
              "vjp": vjp}
+
+
+# -- checkpoints through torch.distributed.checkpoint (tests/test_saving_distributed.py) ---------
+# The checkpoint's directory comes from the parent in FPIPE_SAVING_DIR.
+
+SAVING_BATCHES = [data(8, 6, seed=40 + i) for i in range(3)]
+
+
+def saving_model(seed: int) -> torch.nn.Sequential:
+    """Eight layers of a float64 MLP, from ``seed``: cut 4 ways or 2 ways alike."""
+    torch.manual_seed(seed)
+    layers: list = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(6, 6), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers).double()
+
+
+def saving_train(rank: int, balance: list[int], seed: int, steps: range, *,
+                 save_at: int | None = None, load: bool = False) -> dict:
+    """This rank's stage of ``from_sequential(saving_model(seed), balance)`` trained with AdamW
+    on ``SAVING_BATCHES[steps]``, saved before step ``save_at`` or loaded first; returns its
+    parameters by the model's names."""
+    from fpipe import saving
+    from fpipe.optim import bind_grads
+    from fpipe.stages import from_sequential
+
+    s = from_sequential(saving_model(seed), balance, stateful=False)
+    schedule = fdist_schedule("gpipe", 2)
+    params = {st: s.params[st] for st in fdist.my_stages(schedule, len(balance), rank)}
+    optimizer = torch.optim.AdamW([t for p in params.values() for t in p.values()], lr=0.01)
+    directory = os.environ["FPIPE_SAVING_DIR"]
+    if load:
+        saving.load(directory, params, optimizer=optimizer)
+    pipe = fdist.pipeline(s.stages, params, schedule=schedule, loss_fn=mse, timeout=20)
+    first, last = pipe.program.placement[0], pipe.program.placement[-1]
+    for i in steps:
+        if i == save_at:
+            saving.save(directory, params, optimizer=optimizer)
+        x, target = SAVING_BATCHES[i]
+        _, grads = pipe.value_and_grad(x if rank == first else None,
+                                       target if rank == last else None)
+        bind_grads(params, grads)
+        optimizer.step()
+    return {name: t.clone() for p in params.values() for name, t in p.items()}
+
+
+def save_on_4(rank: int, world: int) -> dict:
+    """Four stages, one a rank: three steps, the checkpoint written before the third."""
+    return saving_train(rank, [2, 2, 2, 2], seed=0, steps=range(3), save_at=2)
+
+
+def load_on_2(rank: int, world: int) -> dict:
+    """Another cut (3 + 5 layers) of another initialisation: loads, then the third step."""
+    return saving_train(rank, [3, 5], seed=1, steps=range(2, 3), load=True)
+
+
+def save_replicas(rank: int, world: int) -> dict:
+    """Two stages, each held by two ranks (data-parallel replicas, equal values)."""
+    from fpipe import saving
+
+    stage = rank % 2
+    g = torch.Generator().manual_seed(stage)
+    params = {stage: {"w": torch.randn(64, 64, generator=g, dtype=torch.float64)}}
+    saving.save(os.environ["FPIPE_SAVING_DIR"], params, names={stage: {"w": f"layer{stage}.w"}})
+    return {}
+
+
+SCENARIOS.update({"save_on_4": save_on_4, "load_on_2": load_on_2,
+                  "save_replicas": save_replicas})

@@ -1,15 +1,23 @@
-"""Checkpoints written by a 3-stage pipeline load into a 2-stage one and into the plain model,
-with the optimiser's state: training goes on as if it had never stopped."""
+"""Checkpoints through torch.distributed.checkpoint in one process: a pipeline's checkpoint
+resumes training bitwise, loads into another cut and into the plain module (and the plain
+module's into a pipeline), and a tied Hugging Face GPT-2 round-trips through save_pretrained.
+The multi-rank cases (save on 4 ranks, load on 2, replicas written once) are in
+tests/test_saving_distributed.py."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import optree
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from models import load_example
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 import fpipe
 from fpipe import saving
@@ -17,69 +25,208 @@ from fpipe.optim import bind_grads
 from fpipe.schedules import gpipe
 from fpipe.stages import from_sequential
 
-FORMATS = ["torch", pytest.param("safetensors", marks=[pytest.mark.needs_extra, pytest.mark.skipif(
-    importlib.util.find_spec("safetensors") is None, reason="safetensors is not installed")])]
+# The tests call dcp.save / dcp.load themselves, in one process, as a plain-module user does.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def model() -> nn.Sequential:
-    torch.manual_seed(0)
+def model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 12),
-                         nn.Tanh(), nn.Linear(12, 3))
+                         nn.Tanh(), nn.Linear(12, 3)).double()
 
 
-def train(s, optimizer, state, steps, seed):
+def batches(seed: int, steps: int):
     g = torch.Generator().manual_seed(seed)
-    with fpipe.pipeline(s.stages, s.params, state=state, schedule=gpipe(chunks=2),
+    return [(torch.randn(8, 6, generator=g, dtype=torch.float64),
+             torch.randn(8, 3, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def train(s, optimizer, state, steps, chunks=2):
+    with fpipe.pipeline(s.stages, s.params, state=state, schedule=gpipe(chunks=chunks),
                         loss_fn=F.mse_loss) as pipe:
-        for _ in range(steps):
-            x, t = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        for x, t in steps:
             _, grads, state = pipe.value_and_grad(x, t, state=state)
             bind_grads(s.params, grads)
             optimizer.step()
     return state
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_checkpoint_loads_into_another_balance_and_the_plain_model(tmp_path, fmt):
-    three = from_sequential(model(), [2, 2, 2])
-    adam3 = torch.optim.Adam(optree.tree_leaves(three.params), lr=1e-2)
-    state3 = train(three, adam3, three.state, steps=2, seed=1)
-    saving.save(tmp_path, three.params, state3, optimizer=adam3, format=fmt)
-    assert len(list(tmp_path.glob("stage-*"))) == len(list(tmp_path.glob("optimizer-*"))) == 3
-
-    # Another balance: parameters, state and Adam's moments, found by name.
-    two = from_sequential(model(), [3, 3])
-    two = two._replace(params=saving.load(tmp_path, like=two.params),
-                       state=saving.load(tmp_path, like=two.state))
-    adam2 = torch.optim.Adam(optree.tree_leaves(two.params), lr=1e-2)
-    saving.load_optimizer(tmp_path, adam2, two.params)
-
-    # The plain model takes the flat dict as its state_dict, and computes what the 2-stage
-    # pipeline computes (in one micro-batch, as BatchNorm sees the whole batch).
-    plain = model()
-    plain.load_state_dict(saving.load(tmp_path))
-    x, t = torch.randn(8, 6), torch.randn(8, 3)
-    expected = F.mse_loss(plain(x), t)
-    expected.backward()
-    with fpipe.pipeline(two.stages, two.params, state=two.state, schedule=gpipe(chunks=1),
-                        loss_fn=F.mse_loss) as pipe:
-        loss, grads, _ = pipe.value_and_grad(x, t)
-    torch.testing.assert_close(loss, expected.detach())
-    for part in grads:
-        for name, grad in part.items():
-            torch.testing.assert_close(grad, plain.get_parameter(name).grad)
-
-    # One more step on each pipeline: the same parameters and statistics after it.
-    state3 = train(three, adam3, state3, steps=1, seed=2)
-    state2 = train(two, adam2, two.state, steps=1, seed=2)
-    flat3 = {k: v for part in [*three.params, *state3] for k, v in part.items()}
-    flat2 = {k: v for part in [*two.params, *state2] for k, v in part.items()}
-    assert flat2.keys() == flat3.keys() == plain.state_dict().keys()
-    for name, value in flat3.items():
-        torch.testing.assert_close(flat2[name], value)
+def adamw(leaves) -> torch.optim.AdamW:
+    return torch.optim.AdamW(list(leaves), lr=1e-2, weight_decay=0.1)
 
 
-def test_names_clashing_across_stages_are_refused(tmp_path):
-    params = [{"w": torch.zeros(2)}, {"w": torch.zeros(2)}]
-    with pytest.raises(ValueError, match="'w'"):
-        saving.save(tmp_path, params)
+def flat(*trees) -> dict:
+    return {k: v for tree in trees for part in tree for k, v in part.items()}
+
+
+def test_resume_is_bitwise_and_another_cut_goes_on_alike(tmp_path):
+    s = from_sequential(model(), [2, 2, 2])
+    optimizer = adamw(optree.tree_leaves(s.params))
+    state = train(s, optimizer, s.state, batches(1, 2))
+    saving.save(tmp_path, s.params, state, optimizer=optimizer)
+    state = train(s, optimizer, state, batches(2, 2))  # without interruption
+
+    same = from_sequential(model(seed=5), [2, 2, 2])  # other values, all overwritten
+    resumed = adamw(optree.tree_leaves(same.params))
+    params, same_state = saving.load(tmp_path, same.params, same.state, optimizer=resumed)
+    assert params is same.params and same_state is same.state  # filled in place
+    same_state = train(same, resumed, same_state, batches(2, 2))
+    for name, value in flat(s.params, state).items():
+        assert torch.equal(flat(same.params, same_state)[name], value), name
+    for a, b in zip(optimizer.state_dict()["state"].values(),
+                    resumed.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+    other = from_sequential(model(seed=6), [1, 4, 1])
+    other_optimizer = adamw(optree.tree_leaves(other.params))
+    _, other_state = saving.load(tmp_path, other.params, other.state, optimizer=other_optimizer)
+    other_state = train(other, other_optimizer, other_state, batches(2, 2))
+    for name, value in flat(s.params, state).items():
+        torch.testing.assert_close(flat(other.params, other_state)[name], value,
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_pipeline_and_plain_module_checkpoints_are_interchangeable(tmp_path):
+    s = from_sequential(model(), [3, 3])
+    optimizer = adamw(optree.tree_leaves(s.params))
+    state = train(s, optimizer, s.state, batches(1, 2))
+    saving.save(tmp_path / "pipe", s.params, state, optimizer=optimizer)
+
+    # torch's own way: get_state_dict, dcp.load, set_state_dict.
+    plain = model(seed=3)
+    plain_optimizer = adamw(plain.parameters())
+    model_sd, optim_sd = get_state_dict(plain, plain_optimizer, options=FLAT)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=tmp_path / "pipe", no_dist=True)
+    set_state_dict(plain, plain_optimizer, model_state_dict=sd["model"],
+                   optim_state_dict=sd["optim"], options=FLAT)
+    assert plain.state_dict().keys() == flat(s.params, state).keys()
+    for name, value in flat(s.params, state).items():
+        assert torch.equal(plain.state_dict()[name], value), name
+    # ... and fpipe's one line does the same.
+    again = model(seed=4)
+    again_optimizer = adamw(again.parameters())
+    saving.load_module(tmp_path / "pipe", again, again_optimizer)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
+
+    # The plain module's checkpoint (torch's way) loads into a pipeline of another cut; one
+    # more step of each computes the same (one micro-batch: BatchNorm sees the whole batch).
+    model_sd, optim_sd = get_state_dict(plain, plain_optimizer, options=FLAT)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "plain",
+             no_dist=True)
+    two = from_sequential(model(seed=7), [4, 2])
+    two_optimizer = adamw(optree.tree_leaves(two.params))
+    _, two_state = saving.load(tmp_path / "plain", two.params, two.state,
+                               optimizer=two_optimizer)
+    (x, t), = batches(2, 1)
+    two_state = train(two, two_optimizer, two_state, [(x, t)], chunks=1)
+    plain.train()
+    plain_optimizer.zero_grad()
+    F.mse_loss(plain(x), t).backward()
+    plain_optimizer.step()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(flat(two.params, two_state)[name], value,
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_stages_of_a_rank_with_local_names_mapped_to_the_model(tmp_path):
+    """A ``{stage: pytree}`` of one rank; local names that collide across stages, told apart
+    by ``names``; 0-dim and None leaves."""
+    params = {1: {"w": torch.randn(3, dtype=torch.float64), "gain": torch.tensor(2.0),
+                  "none": None},
+              3: {"w": torch.randn(2, 3)}}
+    names = {1: {"w": "body.weight", "gain": "body.gain"}, 3: {"w": "head.weight"}}
+    saving.save(tmp_path, params, names=names)
+    like = {0: {"weight": torch.zeros(3, dtype=torch.float64)},
+            1: {"gain": torch.tensor(0.0), "weight": torch.zeros(2, 3)}}
+    saving.load(tmp_path, like, names=[{"weight": "body.weight"},
+                                       {"gain": "body.gain", "weight": "head.weight"}])
+    assert torch.equal(like[0]["weight"], params[1]["w"])
+    assert torch.equal(like[1]["gain"], params[1]["gain"])
+    assert torch.equal(like[1]["weight"], params[3]["w"])
+
+
+def test_errors_name_the_leaf_and_write_nothing(tmp_path):
+    with pytest.raises(ValueError, match="stage 0 and stage 1 both hold a leaf named 'w'"):
+        saving.save(tmp_path / "clash", [{"w": torch.zeros(2)}, {"w": torch.zeros(2)}])
+    with pytest.raises(KeyError, match=r"names\[1\] has no entry for params\[1\]\['b'\]"):
+        saving.save(tmp_path / "clash", [{"w": torch.zeros(2)}, {"b": torch.zeros(2)}],
+                    names=[{"w": "a.w"}, {"w": "b.w"}])
+    with pytest.raises(ValueError, match="both hold a leaf named 'x'"):
+        saving.save(tmp_path / "clash", [{"w": torch.zeros(2)}, {"b": torch.zeros(2)}],
+                    names=[{"w": "x"}, {"b": "x"}])
+    stray = torch.zeros(4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"group 0 holds a tensor of shape \(4,\)"):
+        saving.save(tmp_path / "clash", [{"w": torch.zeros(2)}],
+                    optimizer=torch.optim.SGD([stray], lr=1.0))
+    assert not (tmp_path / "clash").exists()
+
+    saving.save(tmp_path / "ok", [{"w": torch.zeros(2)}, {"b": torch.zeros(3)}])
+    with pytest.raises(KeyError, match=r"'c' \(stage 1\) is not in the checkpoint"):
+        saving.load(tmp_path / "ok", [{"w": torch.ones(2)}, {"c": torch.ones(3)}])
+    with pytest.raises(ValueError, match=r"'b' \(stage 0\) is \(3,\) torch.float32 in the "
+                                         r"checkpoint but \(2,\) torch.float32 here"):
+        saving.load(tmp_path / "ok", [{"b": torch.ones(2)}])
+    with pytest.raises(ValueError, match="float32 in the checkpoint but .*float64 here"):
+        saving.load(tmp_path / "ok", [{"b": torch.ones(3, dtype=torch.float64)}])
+    leaf = torch.ones(2, requires_grad=True)
+    with pytest.raises(KeyError, match="no optimizer state for 'w'"):
+        saving.load(tmp_path / "ok", [{"w": leaf}], optimizer=torch.optim.SGD([leaf], lr=1.0))
+    assert torch.equal(leaf, torch.ones(2))  # nothing read
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        saving.load(tmp_path / "nowhere", [{"w": leaf}])
+
+
+def hf_names(model: nn.Module, modules: list[nn.Module]) -> list[dict[str, str]]:
+    """Per stage module, its local parameter names -> the model's (what Stages.names holds):
+    a tied tensor has several model names; the one ending like the local name is its own."""
+    fqns: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        fqns.setdefault(id(p), []).append(name)
+    def own(local, candidates):
+        return candidates[0] if len(candidates) == 1 else next(
+            n for n in candidates if n == local or n.endswith("." + local))
+    return [{local: own(local, fqns[id(p)]) for local, p in m.named_parameters()}
+            for m in modules]
+
+
+@pytest.mark.needs_extra
+def test_tied_hf_gpt2_loads_and_round_trips_through_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    example = load_example("hf_gpt2")
+
+    def tied(seed):
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2,
+                                         n_head=2, tie_word_embeddings=True, bos_token_id=0,
+                                         eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config)
+
+    source = tied(0)
+    modules = example.cut(source, blocks_per_stage=1)  # embeddings, block, block, head
+    params = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in modules]
+    names = hf_names(source, modules)
+    assert names[0]["wte.weight"] == "transformer.wte.weight"
+    assert names[-1]["lm_head.weight"] == "lm_head.weight"
+    saving.save(tmp_path / "ckpt", params, names=names)
+
+    target = tied(1)
+    saving.load_module(tmp_path / "ckpt", target)
+    expected = source.state_dict()
+    assert target.state_dict().keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(target.state_dict()[name], value), name
+    assert target.lm_head.weight is target.transformer.wte.weight  # still tied
+
+    # The plain state_dict way, as nn.Module users write it, finds every name too.
+    plain = tied(2)
+    sd = {"model": plain.state_dict()}
+    dcp.load(sd, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    plain.load_state_dict(sd["model"])
+    target.save_pretrained(tmp_path / "hf")
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    for name, value in expected.items():
+        assert torch.equal(back.state_dict()[name], value), name
+        assert torch.equal(plain.state_dict()[name], value), name

@@ -1,0 +1,67 @@
+"""Checkpoints through torch.distributed.checkpoint on several ranks (gloo over 127.0.0.1, see
+tests/distributed_ranks.py): written by a 4-stage pipeline on 4 ranks, each rank its own stage,
+read by a 2-stage cut of the model on 2 ranks and by the plain module in this process; data
+parallel replicas write their equal tensors once."""
+
+from __future__ import annotations
+
+import torch
+from distributed_ranks import SAVING_BATCHES, saving_model, spawn
+from torch.distributed.checkpoint import FileSystemReader
+
+from fpipe import saving
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def ranks(scenario: str, world: int) -> list:
+    results, codes = spawn(scenario, world)
+    for result in results:
+        assert result is not None and "crash" not in result, result and result.get("crash")
+    assert codes == [0] * world
+    return results
+
+
+def merged(results: list) -> dict:
+    out: dict = {}
+    for result in results:
+        assert not set(out) & set(result)  # each stage on one rank
+        out.update(result)
+    return out
+
+
+def test_saved_on_4_ranks_resumes_on_2_and_in_the_plain_module(tmp_path, monkeypatch):
+    monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
+    uninterrupted = merged(ranks("save_on_4", 4))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [".metadata", *[f"__{r}_0.distcp" for r in range(4)]]  # each rank's own
+
+    resumed = merged(ranks("load_on_2", 2))  # another cut, loaded, the third step
+    assert resumed.keys() == uninterrupted.keys() == saving_model(0).state_dict().keys()
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value, **TIGHT)
+
+    # The plain module and its AdamW, in one process: the third step as the ranks took it.
+    plain = saving_model(2)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    saving.load_module(tmp_path, plain, optimizer)
+    x, target = SAVING_BATCHES[2]
+    torch.nn.functional.mse_loss(plain(x), target).backward()
+    optimizer.step()
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(plain.state_dict()[name], value, **TIGHT)
+
+
+def test_replicas_write_their_tensors_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
+    ranks("save_replicas", 4)
+    metadata = FileSystemReader(tmp_path).read_metadata()
+    assert {"model.layer0.w", "model.layer1.w"} <= set(metadata.state_dict_metadata)
+    written = sum(p.stat().st_size for p in tmp_path.glob("*.distcp"))
+    one_copy = 2 * 64 * 64 * 8
+    assert one_copy <= written < 1.5 * one_copy  # four ranks, two copies: written once
+    params = [{"w": torch.zeros(64, 64, dtype=torch.float64)} for _ in range(2)]
+    saving.load(tmp_path, params, names=[{"w": "layer0.w"}, {"w": "layer1.w"}])
+    for stage, p in enumerate(params):
+        g = torch.Generator().manual_seed(stage)
+        assert torch.equal(p["w"], torch.randn(64, 64, generator=g, dtype=torch.float64))
