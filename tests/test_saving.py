@@ -23,7 +23,7 @@ import fpipe
 from fpipe import saving
 from fpipe.optim import bind_grads
 from fpipe.schedules import gpipe
-from fpipe.stages import from_sequential
+from fpipe.stages import from_modules, from_sequential
 
 # The tests call dcp.save / dcp.load themselves, in one process, as a plain-module user does.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -179,19 +179,6 @@ def test_errors_name_the_leaf_and_write_nothing(tmp_path):
         saving.load(tmp_path / "nowhere", [{"w": leaf}])
 
 
-def hf_names(model: nn.Module, modules: list[nn.Module]) -> list[dict[str, str]]:
-    """Per stage module, its local parameter names -> the model's (what Stages.names holds):
-    a tied tensor has several model names; the one ending like the local name is its own."""
-    fqns: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        fqns.setdefault(id(p), []).append(name)
-    def own(local, candidates):
-        return candidates[0] if len(candidates) == 1 else next(
-            n for n in candidates if n == local or n.endswith("." + local))
-    return [{local: own(local, fqns[id(p)]) for local, p in m.named_parameters()}
-            for m in modules]
-
-
 @pytest.mark.needs_extra
 def test_tied_hf_gpt2_loads_and_round_trips_through_save_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
@@ -206,11 +193,11 @@ def test_tied_hf_gpt2_loads_and_round_trips_through_save_pretrained(tmp_path):
 
     source = tied(0)
     modules = example.cut(source, blocks_per_stage=1)  # embeddings, block, block, head
-    params = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in modules]
-    names = hf_names(source, modules)
-    assert names[0]["wte.weight"] == "transformer.wte.weight"
-    assert names[-1]["lm_head.weight"] == "lm_head.weight"
-    saving.save(tmp_path / "ckpt", params, names=names)
+    s = from_modules(modules, root=source, stateful=False)
+    assert s.names[0]["wte.weight"] == "transformer.wte.weight"
+    assert s.names[-1]["lm_head.weight"] == "lm_head.weight"
+    assert s.ties == (((0, "wte.weight"), (3, "lm_head.weight")),)
+    saving.save(tmp_path / "ckpt", s.params, names=s.names)
 
     target = tied(1)
     saving.load_module(tmp_path / "ckpt", target)
