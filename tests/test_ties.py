@@ -254,3 +254,88 @@ def test_no_ties_changes_nothing():
         pipe = fpipe.pipeline(stages(), untied(w), schedule=gpipe(2), loss_fn=ce, ties=ties)
         _, grads = pipe.value_and_grad(x, target)
         assert not torch.equal(grads[0]["wte.weight"], grads[2]["head.weight"])
+
+
+# -- fpipe.distributed ---------------------------------------------------------------------------
+
+
+def shared_reference(stage_fns, params, tie, steps, lr):
+    """Per step, the loss and gradients of the model whose tied leaves are ONE tensor (the
+    first member's), whole batch, then an SGD step on it: ``[(loss, E grad, grads)]``."""
+    (s0, n0), *others = tie
+
+    def loss(E, ps, x, target):
+        ps = [dict(p) for p in ps]
+        for s, name in tie:
+            ps[s][name] = E
+        h = x
+        for fn, p in zip(stage_fns, ps):
+            h = fn(p, h)
+        return ce(h, target)
+
+    E, found = params[s0][n0], []
+    for x, target in steps:
+        (e_grad, grads), value = grad_and_value(loss, argnums=(0, 1))(E, params, x, target)
+        found.append((value, e_grad, grads))
+        E = E - lr * e_grad
+        params = sgd(params, grads, lr)
+    return found
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    from distributed_ranks import spawn
+    results, codes = spawn("ties", 2, timeout=120)
+    assert codes == [0, 0], results
+    for result in results:
+        assert "crash" not in result, result["crash"]
+    return results
+
+
+@pytest.mark.parametrize("n_stages", [2, 4], ids=["across-ranks", "same-rank"])
+def test_distributed_ties(distributed, n_stages):
+    from distributed_ranks import TIE_LR, tied_case
+    stages, full, tie, schedule, steps = tied_case(n_stages)
+    want = shared_reference(stages, full, [tuple(m) for m in tie[0]], steps, TIE_LR)
+    last = n_stages - 1
+    for step, (loss, e_grad, grads) in enumerate(want):
+        found = {}
+        for rank in (0, 1):
+            got_loss, got = distributed[rank][n_stages][step]
+            torch.testing.assert_close(got_loss, loss, **TIGHT)
+            found.update(got)
+        assert sorted(found) == list(range(n_stages))
+        for s in range(n_stages):
+            for key in ("w", "b"):
+                torch.testing.assert_close(found[s][key], grads[s][key], **TIGHT)
+        torch.testing.assert_close(found[0]["wte.weight"], e_grad, **TIGHT)
+        assert torch.equal(found[0]["wte.weight"], found[last]["head.weight"])
+
+
+def test_distributed_vjp_ties(distributed):
+    from distributed_ranks import tied_case
+    stages, full, tie, _, ((x, _), _) = tied_case(2)
+    cotangent = torch.randn(9, VOCAB, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(13))
+
+    def out(E):
+        return stages[1]({**full[1], "head.weight": E}, stages[0]({**full[0],
+                                                                    "wte.weight": E}, x))
+    want, = torch.func.vjp(out, full[0]["wte.weight"])[1](cotangent)
+    torch.testing.assert_close(distributed[0]["vjp"][0]["wte.weight"], want, **TIGHT)
+    torch.testing.assert_close(distributed[1]["vjp"][1]["head.weight"], want, **TIGHT)
+
+
+def test_distributed_bad_ties_raise_on_every_rank(distributed):
+    for rank in (0, 1):
+        kind, name, message = distributed[rank]["renamed"]
+        assert (kind, name) == ("error", "ValueError")
+        assert message.startswith("rank 1: tie 0 ((0, 'wte.weight'), (1, 'head.weight')): "
+                                  "stage 1 has no parameter leaf 'head.weight'")
+        kind, name, message = distributed[rank]["narrow"]
+        assert (kind, name) == ("error", "ValueError")
+        assert "stage 0's 'wte.weight' (rank 0) is (7, 4) torch.float64" in message
+        assert "stage 1's 'head.weight' (rank 1) (7, 3) torch.float64" in message
+        kind, name, message = distributed[rank]["maps"]
+        assert (kind, name) == ("error", "ValueError")
+        assert "rank 0 and rank 1 were given different tie maps" in message
