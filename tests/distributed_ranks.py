@@ -524,7 +524,8 @@ def tied_ce(logits, target):
 
 def tied_case(n_stages: int) -> tuple:
     """(stages, untied params, tie map, schedule, steps of (ids, target)): the matrix ``E`` of
-    the first stage's embedding reused by the last stage's head, a copy on each."""
+    the first stage's embedding reused by the last stage's head, a copy on each (and with two
+    stages, their biases tied too)."""
     from fpipe.schedules import zero_bubble_v
     g = torch.Generator().manual_seed(11)
     E = torch.randn(TIE_VOCAB, TIE_WIDTH, generator=g, dtype=torch.float64)
@@ -533,6 +534,9 @@ def tied_case(n_stages: int) -> tuple:
     params[-1]["head.weight"] = E.clone()
     stages = [tied_embed, *[block] * (n_stages - 2), tied_head]
     tie = [[(0, "wte.weight"), (n_stages - 1, "head.weight")]]
+    if n_stages == 2:  # a second tie over the same ranks: both reduced in one call
+        params[1]["b"] = params[0]["b"].clone()
+        tie.append([(1, "b"), (0, "b")])
     schedule = fdist_schedule("1f1b", 3) if n_stages == 2 else zero_bubble_v(3)
     steps = [(torch.randint(0, TIE_VOCAB, (9,), generator=g),
               torch.randint(0, TIE_VOCAB, (9,), generator=g)) for _ in range(2)]

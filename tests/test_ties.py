@@ -259,25 +259,25 @@ def test_no_ties_changes_nothing():
 # -- fpipe.distributed ---------------------------------------------------------------------------
 
 
-def shared_reference(stage_fns, params, tie, steps, lr):
-    """Per step, the loss and gradients of the model whose tied leaves are ONE tensor (the
-    first member's), whole batch, then an SGD step on it: ``[(loss, E grad, grads)]``."""
-    (s0, n0), *others = tie
-
-    def loss(E, ps, x, target):
+def shared_reference(stage_fns, params, ties, steps, lr):
+    """Per step, the loss and gradients of the model in which each tie's leaves are ONE
+    tensor (its first member's), whole batch, then an SGD step on it:
+    ``[(loss, per tie its gradient, grads of the other leaves)]``."""
+    def loss(shared, ps, x, target):
         ps = [dict(p) for p in ps]
-        for s, name in tie:
-            ps[s][name] = E
+        for tie, value in zip(ties, shared):
+            for s, name in tie:
+                ps[s][name] = value
         h = x
         for fn, p in zip(stage_fns, ps):
             h = fn(p, h)
         return ce(h, target)
 
-    E, found = params[s0][n0], []
+    shared, found = [params[s][name] for (s, name), *_ in ties], []
     for x, target in steps:
-        (e_grad, grads), value = grad_and_value(loss, argnums=(0, 1))(E, params, x, target)
-        found.append((value, e_grad, grads))
-        E = E - lr * e_grad
+        (tied, grads), value = grad_and_value(loss, argnums=(0, 1))(shared, params, x, target)
+        found.append((value, tied, grads))
+        shared = sgd(shared, tied, lr)
         params = sgd(params, grads, lr)
     return found
 
@@ -296,9 +296,9 @@ def distributed():
 def test_distributed_ties(distributed, n_stages):
     from distributed_ranks import TIE_LR, tied_case
     stages, full, tie, schedule, steps = tied_case(n_stages)
-    want = shared_reference(stages, full, [tuple(m) for m in tie[0]], steps, TIE_LR)
-    last = n_stages - 1
-    for step, (loss, e_grad, grads) in enumerate(want):
+    want = shared_reference(stages, full, tie, steps, TIE_LR)
+    tied = {(s, name) for members in tie for s, name in members}
+    for step, (loss, shared, grads) in enumerate(want):
         found = {}
         for rank in (0, 1):
             got_loss, got = distributed[rank][n_stages][step]
@@ -306,10 +306,12 @@ def test_distributed_ties(distributed, n_stages):
             found.update(got)
         assert sorted(found) == list(range(n_stages))
         for s in range(n_stages):
-            for key in ("w", "b"):
+            for key in set(found[s]) - {name for stage, name in tied if stage == s}:
                 torch.testing.assert_close(found[s][key], grads[s][key], **TIGHT)
-        torch.testing.assert_close(found[0]["wte.weight"], e_grad, **TIGHT)
-        assert torch.equal(found[0]["wte.weight"], found[last]["head.weight"])
+        for members, value in zip(tie, shared):
+            for s, name in members:  # every copy: the shared gradient, the very same bits
+                torch.testing.assert_close(found[s][name], value, **TIGHT)
+                assert torch.equal(found[s][name], found[members[0][0]][members[0][1]])
 
 
 def test_distributed_vjp_ties(distributed):

@@ -124,7 +124,7 @@ class TieGroups:
 def _read(ties: Iterable | None, params: Mapping[int, Any], n_stages: int,
           grad_dtype: torch.dtype | None) -> tuple[tuple, tuple]:
     """The parsed tie map (empty if it is bad) and what this rank tells the others:
-    ``(tie map, {(tie, stage): (shape, dtype, grad dtype)} of its members, error)``, the
+    ``(tie map, {(tie, stage, name): (shape, dtype, grad dtype)} of its members, error)``, the
     error as ``(type name, message)`` or ``None``."""
     try:
         parsed = parse(ties, n_stages)
@@ -134,10 +134,11 @@ def _read(ties: Iterable | None, params: Mapping[int, Any], n_stages: int,
         return (), (None, {}, (type(exc).__name__, str(exc)))
     leaves = {s: optree.tree_leaves(tree) for s, tree in params.items()}
     found = {}
-    for t, held in enumerate(places):
-        for s, i in held:
+    for t, (tie, held) in enumerate(zip(parsed, places)):
+        for member, (s, i) in zip([m for m in tie if m.stage in params], held):
             leaf = leaves[s][i]
-            found[t, s] = (tuple(leaf.shape), str(leaf.dtype), str(grad_dtype or leaf.dtype))
+            found[(t, *member)] = (tuple(leaf.shape), str(leaf.dtype),
+                                 str(grad_dtype or leaf.dtype))
     return parsed, (parsed, found, None)
 
 
@@ -159,7 +160,7 @@ def _check_all(records: list, ranks: tuple[int, ...]) -> None:
         if pipeline == ranks:
             found.update({key: (value, rank) for key, value in described.items()})
     for t, tie in enumerate(first_map):
-        known = [(m, *found[t, m.stage]) for m in tie if (t, m.stage) in found]
+        known = [(m, *found[(t, *m)]) for m in tie if (t, *m) in found]
         for member, value, rank in known[1:]:
             a, (seen, seen_rank) = known[0][0], known[0][1:]
             if value != seen:

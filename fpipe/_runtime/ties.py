@@ -120,15 +120,15 @@ def check_local(ties: Ties, places: tuple, params: Mapping[int, Any]) -> None:
     from another when the pipeline is built is a bug the sums would carry on)."""
     leaves = {s: optree.tree_leaves(tree) for s, tree in params.items()}
     for t, (tie, held) in enumerate(zip(ties, places)):
-        named = {(stage, i): m for m in tie for stage, i in held if m.stage == stage}
-        if not held:
+        # slots() keeps the members of the stages held here, in tie order
+        members = [(m, leaves[s][i]) for m, (s, i) in
+                   zip([m for m in tie if m.stage in params], held)]
+        if len(members) < 2:
             continue
-        first = held[0]
-        a = leaves[first[0]][first[1]]
-        for slot in held[1:]:
-            b = leaves[slot[0]][slot[1]]
-            what = (f"{describe(tie, t)}: stage {first[0]}'s {named[first].name!r} and stage "
-                    f"{slot[0]}'s {named[slot].name!r}")
+        (first, a) = members[0]
+        for member, b in members[1:]:
+            what = (f"{describe(tie, t)}: stage {first.stage}'s {first.name!r} and stage "
+                    f"{member.stage}'s {member.name!r}")
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(f"{what} differ: {tuple(a.shape)} {a.dtype} against "
                                  f"{tuple(b.shape)} {b.dtype}; tied leaves must have equal "
