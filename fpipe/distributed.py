@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -51,6 +51,7 @@ from fpipe._runtime.rank_driver import RankDriver, backend_for
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe._runtime.stream import Transport
+from fpipe._runtime.tie_groups import TieGroups
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
@@ -88,7 +89,7 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
              loss_fn: Callable | None = None, device: torch.device | str | None = None,
              timeout: float = 60.0, state: Mapping[int, Any] | None = None,
              nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-             autodiff: str = "autograd") -> DistributedPipeline:
+             autodiff: str = "autograd", ties: Iterable | None = None) -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
     ``schedule`` and ``loss_fn``.
 
@@ -106,10 +107,14 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             :class:`fpipe.NonFiniteLossError` on every rank).
         grad_dtype: as for :func:`fpipe.pipeline`.
         autodiff: as for :func:`fpipe.pipeline`.
+        ties: tied weights, as for :func:`fpipe.pipeline`: ties of ``(stage, name)`` pairs.
+            Every rank passes the whole tie map (it holds some members); each member's
+            gradient is the sum of all members', by ``all_reduce`` over a group of the ranks
+            holding them (made at build; none for a tie held by one rank).
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
                                device=device, timeout=timeout, state=state, nonfinite=nonfinite,
-                               grad_dtype=grad_dtype, autodiff=autodiff)
+                               grad_dtype=grad_dtype, autodiff=autodiff, ties=ties)
 
 
 class DistributedPipeline:
@@ -129,7 +134,7 @@ class DistributedPipeline:
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, state: Mapping[int, Any] | None = None,
                  nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-                 autodiff: str = "autograd") -> None:
+                 autodiff: str = "autograd", ties: Iterable | None = None) -> None:
         check_options(nonfinite, grad_dtype)
         self.nonfinite = nonfinite
         if not dist.is_initialized():
@@ -144,6 +149,7 @@ class DistributedPipeline:
         compiled(self._compiled, self.program, True, state is not None)
         compiled(self._compiled, self.inference_program, False, state is not None)
         self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.ranks = tuple(range(world))  # worker w runs on global rank self.ranks[w]
         if program.n_workers != world:
             raise PlacementError(f"the program has {program.n_workers} workers but the process "
                                  f"group has {world} ranks: run one rank per worker")
@@ -172,6 +178,9 @@ class DistributedPipeline:
         self.driver = RankDriver(self.rank, program, self.interpreter, self.device, timeout,
                                  self._compiled)
         self.group, self.wire = self.driver.group, self.driver.wire
+        # Collective: every rank checks the tie map and makes the tie groups alike.
+        self._ties = TieGroups(ties, self.params, program.placement, self.ranks, self.rank,
+                               self.device, self.wire, grad_dtype, timeout, self.driver.faults)
         self._running = threading.Lock()
         self._pending: object | None = None  # the step a vjp began, until its vjp_fn runs
 
@@ -207,11 +216,17 @@ class DistributedPipeline:
         error = nonfinite_error(parts) if self.nonfinite == "raise" else None
         if error is not None:
             raise error
-        grads = step.grads.out()
-        grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
-                 for s in self.stages_held}
+        grads = self._grads(step)
         loss = returned_loss(loss)
         return (loss, grads, self._held_state(step)) if self.stateful else (loss, grads)
+
+    def _grads(self, step: Step) -> dict:
+        """A step's gradients, reduced (tied leaves summed across stages and ranks: a
+        collective), as ``{stage: pytree}``. The one place where a step's gradients are
+        post-processed."""
+        grads = self.driver.faults.guarded(lambda: self._ties(step.grads.out()))
+        return {s: optree.tree_unflatten(self.param_specs[s], grads[s])
+                for s in self.stages_held}
 
     def _held_state(self, step: Step) -> dict:
         return {s: step.state[s] for s in self.stages_held}
@@ -264,9 +279,7 @@ class DistributedPipeline:
             with self._alone(pending):
                 self._pending = None
                 self.driver.faults.guarded(lambda: self._backward(step, channel, plan, cotangent))
-            grads = step.grads.out()
-            grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
-                     for s in self.stages_held}
+            grads = self._grads(step)
             first = self.rank == self.program.placement[0]
             return grads, input_grads(step.inputs, step.ends.grads) if first else None
 

@@ -8,7 +8,7 @@ results back into the caller's pytrees.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
@@ -27,6 +27,7 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.ties import TieSums
 from fpipe._runtime.trees import tree_map
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import program_of
@@ -41,7 +42,8 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
              state: Sequence[Any] | None = None, nonfinite: str = "raise",
-             grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> Pipeline:
+             grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
+             ties: Iterable | None = None) -> Pipeline:
     """Build a :class:`Pipeline`.
 
     Args:
@@ -77,6 +79,16 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             (``benchmarks/dispatch_overhead.py``), but saved-tensor hooks
             (``torch.utils.checkpoint``) fail under it and a compiled function it meets runs
             uncompiled.
+        ties: weights shared by several stages (an embedding and the output head that reuses
+            it), each stage holding its own copy: an iterable of ties, each an iterable of at
+            least two ``(stage, name)`` pairs, ``name`` the leaf's dotted path in that stage's
+            parameter pytree as :func:`fpipe.saving.names` spells it (for the dicts
+            ``from_modules`` makes, the dict key, e.g. ``"wte.weight"``; its ``.ties`` lists
+            the ties it found). A leaf belongs to at most one tie; tied leaves must have equal
+            shape, dtype and values. After a step every member's gradient is the SUM of all
+            members' gradients (each on its own stage's device, in its own gradient dtype),
+            the gradient of the one shared weight, so an optimiser step applied alike keeps
+            the copies equal. Also for :meth:`Pipeline.vjp`'s gradients.
 
     Threads: each worker of the schedule's program is a thread (the caller's thread is one of
     them), and workers wait for each other at every value they hand on. A program with more
@@ -86,7 +98,8 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
     worker's ops use torch's intra-op threads too (``torch.set_num_threads``).
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
-                    state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff)
+                    state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff,
+                    ties=ties)
 
 
 class Pipeline:
@@ -109,7 +122,8 @@ class Pipeline:
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
                  state: Sequence[Any] | None = None, nonfinite: str = "raise",
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
+                 ties: Iterable | None = None) -> None:
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
@@ -135,6 +149,7 @@ class Pipeline:
         self.params = params
         self.param_specs = tuple(optree.tree_structure(p) for p in params)
         check_params(dict(enumerate(params)), self.devices)
+        self._ties = TieSums(ties, params, grad_dtype)
         self.state = None
         if state is not None:
             check_state(dict(enumerate(state)), self.devices)
@@ -247,6 +262,9 @@ class Pipeline:
                 microbatch.sizes(n, self.chunks))
 
     def _grad_trees(self, grads: list) -> list:
+        """A step's flat gradients, reduced (tied leaves summed), as pytrees like ``params``.
+        The one place where a step's gradients are post-processed."""
+        grads = self._ties(grads)
         return [optree.tree_unflatten(spec, g) for spec, g in zip(self.param_specs, grads)]
 
     def close(self) -> None:

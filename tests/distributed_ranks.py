@@ -572,3 +572,84 @@ def save_replicas(rank: int, world: int) -> dict:
 
 SCENARIOS.update({"save_on_4": save_on_4, "load_on_2": load_on_2,
                   "save_replicas": save_replicas})
+
+# -- tied weights (tests/test_ties.py) -----------------------------------------------------------
+
+TIE_VOCAB, TIE_WIDTH, TIE_LR = 7, 4, 0.5
+
+
+def tied_embed(p, ids):
+    return block(p, p["wte.weight"][ids])
+
+
+def tied_head(p, h):
+    return block(p, h) @ p["head.weight"].T
+
+
+def tied_ce(logits, target):
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
+def tied_case(n_stages: int) -> tuple:
+    """(stages, untied params, tie map, schedule, steps of (ids, target)): the matrix ``E`` of
+    the first stage's embedding reused by the last stage's head, a copy on each (and with two
+    stages, their biases tied too)."""
+    from fpipe.schedules import zero_bubble_v
+    g = torch.Generator().manual_seed(11)
+    E = torch.randn(TIE_VOCAB, TIE_WIDTH, generator=g, dtype=torch.float64)
+    params = mlp_params(n_stages, TIE_WIDTH, seed=12)
+    params[0]["wte.weight"] = E.clone()
+    params[-1]["head.weight"] = E.clone()
+    stages = [tied_embed, *[block] * (n_stages - 2), tied_head]
+    tie = [[(0, "wte.weight"), (n_stages - 1, "head.weight")]]
+    if n_stages == 2:  # a second tie over the same ranks: both reduced in one call
+        params[1]["b"] = params[0]["b"].clone()
+        tie.append([(1, "b"), (0, "b")])
+    schedule = fdist_schedule("1f1b", 3) if n_stages == 2 else zero_bubble_v(3)
+    steps = [(torch.randint(0, TIE_VOCAB, (9,), generator=g),
+              torch.randint(0, TIE_VOCAB, (9,), generator=g)) for _ in range(2)]
+    return stages, params, tie, schedule, steps
+
+
+def ties(rank: int, world: int) -> dict:
+    """Tied embedding and head: across the two ranks (2 stages, 1F1B), on one rank (4 stages
+    of a V schedule: stages 0 and 3 on rank 0); two steps with an SGD step between; a vjp
+    step; and bad tie maps, refused on every rank."""
+    out = {}
+    for n_stages in (2, 4):
+        stages, full, tie, schedule, steps = tied_case(n_stages)
+        mine = {s: full[s] for s in fdist.my_stages(schedule, n_stages)}
+        pipe = fdist.pipeline(stages, mine, schedule=schedule, loss_fn=tied_ce, timeout=20,
+                              ties=tie)
+        results, params = [], mine
+        for x, target in steps:
+            loss, grads = pipe.value_and_grad(x if rank == 0 else None,
+                                              target if rank == pipe.program.placement[-1]
+                                              else None, params=params)
+            results.append((loss, grads))
+            params = fpipe.optim.sgd(params, grads, TIE_LR)
+        out[n_stages] = results
+    stages, full, tie, _, ((x, _), _) = tied_case(2)
+    cotangent = torch.randn(9, TIE_VOCAB, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(13))
+    pipe = fdist.pipeline(stages, {rank: full[rank]}, schedule=fdist_schedule("gpipe", 3),
+                          timeout=20, ties=tie)
+    _, vjp_fn = pipe.vjp(x if rank == 0 else None)
+    out["vjp"] = vjp_fn(cotangent if rank == 1 else None)[0]
+
+    def build(params, tie_map) -> None:
+        fdist.pipeline(stages, {rank: params}, schedule=fdist_schedule("1f1b", 3),
+                              loss_fn=tied_ce, timeout=20, ties=tie_map)
+    renamed = dict(full[rank])
+    if rank == 1:
+        renamed["head.w"] = renamed.pop("head.weight")
+    narrow = dict(full[rank])
+    if rank == 1:
+        narrow["head.weight"] = narrow["head.weight"][:, :3].clone()
+    out["renamed"] = _outcome(build, renamed, tie)
+    out["narrow"] = _outcome(build, narrow, tie)
+    out["maps"] = _outcome(build, full[rank], tie if rank == 0 else None)
+    return out
+
+
+SCENARIOS["ties"] = ties

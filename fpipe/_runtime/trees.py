@@ -16,7 +16,7 @@ from typing import Any
 import optree
 import torch.utils._pytree as torch_pytree
 
-__all__ = ["NAMESPACE", "tree_flatten", "tree_flatten_with_path", "tree_map"]
+__all__ = ["NAMESPACE", "tree_flatten", "tree_flatten_with_path", "tree_map", "leaf_names"]
 
 NAMESPACE = "fpipe"
 _adopted: set[type] = set()
@@ -41,6 +41,17 @@ def tree_flatten_with_path(tree: Any) -> tuple[list, list, optree.PyTreeSpec]:
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
     return optree.tree_unflatten(spec, [fn(leaf) for leaf in leaves])
+
+
+def leaf_names(tree: Any) -> list[str]:
+    """The name of each leaf of one stage's parameter pytree, in leaf order: its path joined
+    by dots (``"wte.weight"`` for a dict's key, ``"3.weight"`` under ``from_sequential``).
+
+    Parameters are flattened with optree's default registry, as the faces flatten them, so
+    the names line up with the flat leaves a step's gradients come in. ``fpipe.saving.names``
+    spells names the same way; ties (``ties=``) are declared in these names."""
+    paths, _, _ = optree.tree_flatten_with_path(tree)
+    return [".".join(str(key) for key in path) for path in paths]
 
 
 def _adopt(leaves: list) -> bool:
