@@ -3,8 +3,6 @@ the same loss and gradients at every step (skipped when transformers is not inst
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -17,9 +15,6 @@ import fpipe  # noqa: E402
 from fpipe.optim import bind_grads  # noqa: E402
 from fpipe.schedules import gpipe  # noqa: E402
 from fpipe.stages import from_modules, load_into  # noqa: E402
-
-TIES = "ties" in inspect.signature(fpipe.pipeline).parameters
-needs_ties = pytest.mark.skipif(not TIES, reason="ties= lands with the runtime branch")
 
 
 def load_example():
@@ -76,7 +71,6 @@ def test_hf_gpt2_cut_with_its_tie_finds_names_and_the_tie():
     torch.testing.assert_close(model.lm_head.weight, want, rtol=0, atol=0)
 
 
-@needs_ties
 def test_hf_gpt2_pipeline_trains_as_the_plain_model():
     example, reference, model = hf_pair()
     s = from_modules(example.cut(model), root=model, stateful=False)
@@ -101,7 +95,6 @@ def test_hf_gpt2_pipeline_trains_as_the_plain_model():
         torch.testing.assert_close(model.get_parameter(name), value, rtol=1e-8, atol=1e-10)
 
 
-@needs_ties
 def test_hf_example_learns(capsys):
     first, trained = load_example().main(["--steps", "10"])
     assert trained < 0.7 * first
