@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
         first = None
         for step in range(1, args.steps + 1):
             loss, grads = pipe.value_and_grad(*synthetic_batch(batch, length, vocab))
-            grads, norm = clip_grad_norm(grads, max_norm=1.0)
+            grads, norm = clip_grad_norm(grads, max_norm=1.0, ties=s.ties)  # tie counted once
             bind_grads(s.params, grads)
             optimizer.step()
             first = loss.item() if first is None else first

@@ -12,10 +12,14 @@ tensors, so the scaling is done here.)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
+
+from fpipe._runtime.trees import leaf_names
 
 __all__ = ["bind_grads", "sgd", "global_norm", "clip_grad_norm"]
 
@@ -39,8 +43,15 @@ def sgd(params: Any, grads: Any, lr: float) -> Any:
         return optree.tree_map(lambda p, g: p - lr * g, params, grads)
 
 
-def global_norm(grads: Any) -> torch.Tensor:
+def global_norm(grads: Any, *, ties: Any = (), group: Any = None) -> torch.Tensor:
     """The 2-norm of all gradient leaves together, on the first leaf's device.
+
+    ``grads`` is a pipeline's: one pytree per stage (a list), or a rank's ``{stage: pytree}``
+    (``fpipe.distributed``). ``ties``, the pipeline's ``ties=``: a tied weight's copies hold
+    one gradient (the pipeline summed them), so it is counted once, as the model with one
+    tensor counts it (its copy on the lowest stage). ``group``: a process group whose ranks
+    hold the other stages (the pipeline's ``group=``); the squares are summed over it with one
+    all-reduce of one scalar, so every rank gets the norm of the whole model.
 
     Each device takes the norm of its own leaves, and only those norms, one scalar per device,
     are moved: through ``torch.nn.utils.get_total_norm`` (foreach, grouped by device and
@@ -48,20 +59,50 @@ def global_norm(grads: Any) -> torch.Tensor:
     are summed in float32 instead, which torch's function does not do (its norm would have
     the gradients' precision).
     """
-    leaves = optree.tree_leaves(grads)
-    if not leaves:
+    leaves = _counted(grads, ties)
+    if not leaves and group is None:
         raise ValueError("no gradients to take the norm of")
-    if _TORCH_TOTAL_NORM and all(leaf.dtype.itemsize >= 4 for leaf in leaves):
-        return torch.nn.utils.get_total_norm(leaves, 2.0)
-    return _total_norm(leaves)
+    if not leaves:
+        norm = torch.zeros((), dtype=torch.float32)
+    elif _TORCH_TOTAL_NORM and all(leaf.dtype.itemsize >= 4 for leaf in leaves):
+        norm = torch.nn.utils.get_total_norm(leaves, 2.0)
+    else:
+        norm = _total_norm(leaves)
+    if group is None:
+        return norm
+    return _group_norm(norm, group)
 
 
-def clip_grad_norm(grads: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, torch.Tensor]:
+def _counted(grads: Any, ties: Any) -> list[torch.Tensor]:
+    """The gradient leaves a norm counts: every one but the copies of a tie after its first
+    (lowest stage) member."""
+    copies = {member for tie in ties for member in sorted(tie)[1:]}
+    stages = grads.items() if isinstance(grads, Mapping) else enumerate(grads)
+    if not copies:
+        return [leaf for _, tree in stages for leaf in optree.tree_leaves(tree)]
+    return [leaf for stage, tree in stages
+            for name, leaf in zip(leaf_names(tree), optree.tree_leaves(tree))
+            if (stage, name) not in copies]
+
+
+def _group_norm(norm: torch.Tensor, group: Any) -> torch.Tensor:
+    """``norm`` of this rank's leaves -> the norm over every rank of ``group``."""
+    wire = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    square = norm.detach().to(wire, torch.float64).square()
+    dist.all_reduce(square, group=group)
+    return square.sqrt().to(norm.device, norm.dtype)
+
+
+def clip_grad_norm(grads: Any, max_norm: float, eps: float = 1e-6, *, ties: Any = (),
+                   group: Any = None) -> tuple[Any, torch.Tensor]:
     """``(grads, norm before clipping)``, every leaf scaled **in place** by
     ``min(1, max_norm / (norm + eps))``, the rule of ``torch.nn.utils.clip_grad_norm_``, with
-    one norm over every stage's gradients (:func:`global_norm`). Each device scales its own
-    leaves (one foreach multiply per device and dtype) by the one factor, moved once."""
-    norm = global_norm(grads)
+    one norm over every stage's gradients (:func:`global_norm`, whose ``ties`` and ``group``
+    these are: pass the pipeline's, and the norm and the clipping are the whole model's).
+    Each device scales its own leaves (one foreach multiply per device and dtype) by the one
+    factor, moved once."""
+    norm = global_norm(grads, ties=ties, group=group)
     scale = (max_norm / (norm + eps)).clamp(max=1.0)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for leaf in optree.tree_leaves(grads):
