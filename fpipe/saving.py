@@ -36,6 +36,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fpipe._runtime.trees import leaf_names
+
 __all__ = ["save", "load", "load_module", "names"]
 
 _MODEL, _OPTIM = "model", "optim"
@@ -43,9 +45,8 @@ _MODEL, _OPTIM = "model", "optim"
 
 def names(tree: Any) -> list[str]:
     """The name of each leaf of one stage's pytree, in leaf order: its path, joined by dots
-    (``"wte.weight"`` for the dicts ``from_modules`` makes)."""
-    paths, _, _ = optree.tree_flatten_with_path(tree)
-    return [".".join(str(key) for key in path) for path in paths]
+    (``"wte.weight"`` for the dicts ``from_modules`` makes), as ``ties=`` spells them."""
+    return leaf_names(tree)
 
 
 def _stages(trees: Sequence[Any] | Mapping[int, Any] | None) -> list[tuple[int, Any]]:
