@@ -199,6 +199,28 @@ def _optimizer_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]
     return request
 
 
+def _tie_sources(order: list[str], ties: Any, rename: Any, held: dict[str, Any]) -> list[str]:
+    """``order`` with each tied name whose optimiser state the checkpoint lacks replaced by
+    the name of a member of its tie that has some."""
+    def model_name(stage: int, local: str) -> str | None:
+        if rename is None:
+            return local
+        try:
+            return rename[stage].get(local)
+        except (KeyError, IndexError):
+            return None
+
+    def has_state(name: str) -> bool:
+        return any(k.startswith(f"{_OPTIM}.param_groups.{name}.") for k in held)
+
+    source: dict[str, str] = {}
+    for tie in ties:
+        members = [n for n in (model_name(s, local) for s, local in tie) if n is not None]
+        found = next((n for n in members if has_state(n)), None)
+        source.update({n: found for n in members if found is not None and not has_state(n)})
+    return [source.get(name, name) for name in order]
+
+
 def _optimizer_state_dict(optimizer: torch.optim.Optimizer, order: list[str],
                           flat: dict[str, Any]) -> dict[str, Any]:
     """``flat`` (model names) mapped back to ``optimizer``'s own ``state_dict`` form: its
@@ -213,7 +235,10 @@ def _optimizer_state_dict(optimizer: torch.optim.Optimizer, order: list[str],
         ids = list(range(i, i + len(group["params"])))
         for j in ids:
             if per_name[order[j]].get("state"):
-                state[j] = per_name[order[j]]["state"]
+                # A copy each: two tied copies may read one saved state, and the optimiser
+                # updates its state tensors in place.
+                state[j] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in per_name[order[j]]["state"].items()}
         hyper = per_name[order[ids[0]]]["param_groups"] if ids else {}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, **hyper,
                        "params": ids})
@@ -225,7 +250,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
          names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
-         process_group: Any = None) -> Any:
+         process_group: Any = None, ties: Any = ()) -> Any:
     """Fill ``params``' and ``state``'s tensors, in place, from the checkpoint in
     ``directory`` (``torch.distributed.checkpoint.load``); returns ``params``, or
     ``(params, state)`` when ``state`` is given.
@@ -235,13 +260,17 @@ def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
     leaves of ``params``) gets its state and hyper-parameters by ``load_state_dict``. A
     leaf missing from the checkpoint, or saved with another shape or dtype, is an error
     naming it, raised before anything is read.
+
+    ``ties``: the pipeline's ``ties=``. A plain module's optimiser holds a tied weight once,
+    under one of its names, so its checkpoint has no optimiser state for the others: a tied
+    copy without state of its own takes (a copy of) its tie's.
     """
     held = _metadata(directory)
     model = _model_names(params, state, names)
     _check_model(model, held)
     request: dict[str, Any] = {_MODEL: {name: leaf for name, (_, leaf) in model.items()}}
     if optimizer is not None:
-        order = _optimizer_names(optimizer, model)
+        order = _tie_sources(_optimizer_names(optimizer, model), ties, names, held)
         request[_OPTIM] = _optimizer_request(order, held)
     with torch.no_grad(), _quiet():
         dcp.load(request, checkpoint_id=directory, process_group=process_group)

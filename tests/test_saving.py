@@ -217,3 +217,76 @@ def test_tied_hf_gpt2_loads_and_round_trips_through_save_pretrained(tmp_path):
     for name, value in expected.items():
         assert torch.equal(back.state_dict()[name], value), name
         assert torch.equal(plain.state_dict()[name], value), name
+
+
+class TiedLM(nn.Module):
+    """Embedding, a hidden layer, and a head that is the embedding (one tensor, two names)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.wte, self.hidden = nn.Embedding(13, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 13, bias=False)
+        self.head.weight = self.wte.weight
+        self.double()
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.hidden(self.wte(ids))))
+
+
+class Body(nn.Module):
+    def __init__(self, lm: TiedLM) -> None:
+        super().__init__()
+        self.wte, self.hidden = lm.wte, lm.hidden
+
+    def forward(self, ids):
+        return torch.tanh(self.hidden(self.wte(ids)))
+
+
+def lm_loss(logits, t):
+    return F.cross_entropy(logits.flatten(0, 1), t.flatten())
+
+
+def test_a_plain_tied_model_s_optimizer_state_resumes_both_copies(tmp_path):
+    """The plain model's AdamW holds the tied weight once (``wte.weight``); loaded with
+    ``ties=``, the pipeline's copy under ``head.weight`` takes that state too, and the next
+    steps of the pipeline and of the plain model agree."""
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, 13, (4, 5), generator=g), torch.randint(0, 13, (4, 5), generator=g))
+            for _ in range(3)]
+    plain = TiedLM(seed=0)
+    plain_optimizer = adamw(plain.parameters())
+    for ids, t in data[:2]:
+        plain_optimizer.zero_grad()
+        lm_loss(plain(ids), t).backward()
+        plain_optimizer.step()
+    model_sd, optim_sd = get_state_dict(plain, plain_optimizer, options=FLAT)
+    assert not any(k.startswith("state.head.weight") for k in optim_sd)  # held once
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "plain",
+             no_dist=True)
+
+    other = TiedLM(seed=1)
+    s = from_modules([Body(other), other.head], root=other, stateful=False)
+    assert s.ties == (((0, "wte.weight"), (1, "weight")),)
+    optimizer = adamw(optree.tree_leaves(s.params))
+    with pytest.raises(KeyError, match="no optimizer state for 'head.weight'"):
+        saving.load(tmp_path / "plain", s.params, optimizer=optimizer, names=s.names)
+    saving.load(tmp_path / "plain", s.params, optimizer=optimizer, names=s.names, ties=s.ties)
+    first, last = optimizer.state[s.params[0]["wte.weight"]], optimizer.state[s.params[1]["weight"]]
+    assert torch.equal(first["exp_avg"], last["exp_avg"])
+    assert first["exp_avg"] is not last["exp_avg"]  # each copy updates its own
+
+    ids, t = data[2]
+    with fpipe.pipeline(s.stages, s.params, schedule=gpipe(chunks=2), loss_fn=lm_loss,
+                        ties=s.ties) as pipe:
+        _, grads = pipe.value_and_grad(ids, t)
+    bind_grads(s.params, grads)
+    optimizer.step()
+    plain_optimizer.zero_grad()
+    lm_loss(plain(ids), t).backward()
+    plain_optimizer.step()
+    for stage, local in s.ties[0]:
+        torch.testing.assert_close(s.params[stage][local], plain.wte.weight.detach(),
+                                   rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s.params[0]["hidden.weight"], plain.hidden.weight.detach(),
+                               rtol=1e-10, atol=1e-12)
