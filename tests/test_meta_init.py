@@ -49,13 +49,15 @@ def cut(model):
 
 
 def reference(seed):
-    """The defined order on a CPU-built model: stage by stage, each submodule in ``modules()``
-    order once, ``reset_parameters()`` where it has one; then each tie takes its first
-    member's value. (Built untied, as materialising gives each stage its own copy.)"""
+    """The defined order on a CPU-built model: first the owner of each tie's first member
+    (its value is every copy's), then stage by stage, each submodule in ``modules()`` order
+    once, ``reset_parameters()`` where it has one. (Built untied, as materialising gives each
+    stage its own copy.)"""
     torch.manual_seed(123)  # whatever the build draws is overwritten
     model = Tiny(tie=False)
     torch.manual_seed(seed)
-    seen = set()
+    model.wte.reset_parameters()
+    seen = {id(model.wte)}
     for stage in cut(model):
         for sub in stage.modules():
             if id(sub) not in seen and hasattr(sub, "reset_parameters"):
@@ -124,10 +126,23 @@ def test_stages_not_held_are_never_allocated():
     assert not any(t.is_meta for t in model.body.parameters())
 
 
-def test_a_tie_split_between_held_and_other_stages_needs_a_checkpoint():
-    with pytest.raises(ValueError, match=r"tie \[\(0, 'embed.weight'\), \(2, 'head.weight'\)\] "
-                                         r"has stages \[0\] not held here.*init=None"):
-        from_modules(cut(meta_model()), held=[1, 2])
+def test_processes_holding_different_stages_of_a_tie_give_it_one_value():
+    """Rank 0 holds the embedding, rank 1 the head tied to it: seeded alike, each initialises
+    the tie first (rank 1 on a scratch copy of the embedding), so the copies are equal, and
+    equal to a one-process build's; a checkpoint can fill them instead (``init=None``)."""
+    built = {}
+    for held in ([0], [1, 2], [0, 1, 2]):
+        model = meta_model()
+        torch.manual_seed(7)
+        built[tuple(held)] = from_modules(cut(model), held=held)
+        assert model.wte.weight.is_meta == (0 not in held)  # the scratch copy is not kept
+    first = built[(0,)].params[0]["embed.weight"]
+    assert torch.equal(built[(1, 2)].params[2]["head.weight"], first)
+    assert torch.equal(built[(0, 1, 2)].params[2]["head.weight"], first)
+    assert torch.equal(built[(0, 1, 2)].params[0]["embed.weight"], first)
+    torch.manual_seed(8)
+    other = from_modules(cut(meta_model()), held=[1, 2])
+    assert not torch.equal(other.params[2]["head.weight"], first)  # the seed decides
     model = meta_model()
     s = from_modules(cut(model), held=[1, 2], init=None)  # a checkpoint fills it in place
     assert not s.params[2]["head.weight"].is_meta and s.params[0]["embed.weight"].is_meta

@@ -9,13 +9,17 @@ this process holds (``held``) real tensors on its own device and initialises the
   names of the stage stays one tensor (``to_empty`` would split it in two). The stage's params
   then *are* the module's tensors: a second copy would double the memory the meta build saved.
 - **Initialisers**, in this order (the order a CPU-built reference must follow to get the same
-  values from the same seed): stage by stage, each submodule of the stage's module in
-  ``modules()`` order, once (a submodule shared with an earlier stage was done there):
+  values from the same seed): the ties' owners (below), then stage by stage, each submodule
+  of the stage's module in ``modules()`` order, once (a submodule shared with an earlier
+  stage was done there):
   ``init="reset_parameters"`` calls its ``reset_parameters()`` where it has one (and a
   submodule holding a meta tensor without one is an error naming it); a callable ``init`` is
   called as ``init(submodule)`` (HF's ``model._init_weights``); ``init=None`` leaves the
   storage uninitialised, for a checkpoint (DCP) to fill in place.
-- **Ties.** A tie's copies are then given its first member's value, so they start equal.
+- **Ties** come first: the submodule that owns a tie's first member is initialised before
+  anything else (a scratch copy of it, where that stage is not held here), and every copy of
+  the tie held here takes its value. So processes that hold different stages of a tie, seeded
+  alike (``torch.manual_seed`` with one seed on every rank), give its copies one value.
 
 Stages not held stay on ``meta``: their params are meta tensors (shapes only, no memory).
 Stages built with real tensors are copied to their device (held ones) as they always were.
@@ -23,6 +27,7 @@ Stages built with real tensors are copied to their device (held ones) as they al
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -50,23 +55,50 @@ def place_stages(modules: Sequence[nn.Module], devices: Sequence[torch.device],
     if init == "reset_parameters":
         for i in sorted(made_here):
             _check_initialisers(i, modules[i])
-    if init is not None:
-        _check_ties_held(ties, held, made_here)
-    params, state, done = [], [], set()
+    made = {i: _materialize(modules[i], devices[i]) for i in sorted(made_here)}
+    done: set[int] = set()
+    values = [] if init is None else _tie_values(modules, devices, ties, made_here, init, done)
+    params, state = [], []
     for i, (module, device) in enumerate(zip(modules, devices)):
         if i not in held:
             take = _shapes
-        elif on_meta[i]:
-            made = _materialize(module, device)
-            _initialise(module, init, done)
-            take = _taker(device, made)
         else:
-            take = _taker(device, set())
+            if i in made:
+                _initialise(module, init, done)
+            take = _taker(device, made.get(i, set()))
         params.append(take(module.named_parameters()))
         state.append(take(module.named_buffers()))
-    if init is not None:
-        _equalise(ties, params, made_here)
+    with torch.no_grad():
+        for tie, value in values:
+            for s, name in tie:
+                if s in made_here:
+                    params[s][name].copy_(value)
     return params, state
+
+
+def _tie_values(modules: Sequence[nn.Module], devices: Sequence[torch.device],
+                ties: Sequence[Tie], made_here: set[int], init: Init,
+                done: set[int]) -> list[tuple[Tie, torch.Tensor]]:
+    """Each tie's value, made before anything else is initialised, so that every process
+    draws it alike whichever stages it holds: the submodule that owns the tie's first member
+    is initialised (its own, if that stage is made here; else a scratch copy on the device of
+    a member made here), and its tensor is the value every copy takes."""
+    values = []
+    for tie in ties:
+        mine = [s for s, _ in tie if s in made_here]
+        if not mine:
+            continue
+        first, name = tie[0]
+        path, _, attr = name.rpartition(".")
+        owner = modules[first].get_submodule(path)
+        if first not in made_here:
+            owner = copy.deepcopy(owner)  # on meta, as the stage is not made here
+            _materialize(owner, devices[mine[0]])
+            if init == "reset_parameters":
+                _check_initialisers(first, owner)
+        _initialise(owner, init, done)
+        values.append((tie, getattr(owner, attr).detach()))
+    return values
 
 
 def _on_meta(i: int, module: nn.Module) -> bool:
@@ -94,17 +126,6 @@ def _check_initialisers(i: int, module: nn.Module) -> None:
                              f"{type(sub).__name__} has no reset_parameters() to initialise "
                              f"them: pass init= (a function called on each submodule), or "
                              f"init=None to leave them for a checkpoint to fill")
-
-
-def _check_ties_held(ties: Sequence[Tie], held: frozenset[int], made_here: set[int]) -> None:
-    for tie in ties:
-        stages = {s for s, _ in tie}
-        if stages & made_here and not stages <= held:
-            raise ValueError(f"tie {list(tie)} has stages {sorted(stages - held)} not held "
-                             f"here, so the copies initialised here cannot be given the value "
-                             f"those stages get: hold all of a tie's stages in one process, "
-                             f"or build with init=None and load the tied weights from a "
-                             f"checkpoint")
 
 
 def _materialize(module: nn.Module, device: torch.device) -> set[int]:
@@ -151,13 +172,3 @@ def _taker(device: torch.device, made: set[int]) -> Callable[[Iterable], Tensors
 def _shapes(named: Iterable) -> Tensors:
     return {name: t.detach() if t.is_meta else torch.empty_like(t, device="meta")
             for name, t in named}
-
-
-def _equalise(ties: Sequence[Tie], params: list[Tensors], made_here: set[int]) -> None:
-    with torch.no_grad():
-        for tie in ties:
-            if not any(s in made_here for s, _ in tie):
-                continue
-            (first, name), *others = tie
-            for s, other in others:
-                params[s][other].copy_(params[first][name])
