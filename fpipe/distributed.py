@@ -28,7 +28,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
+from fpipe._runtime.data_parallel import DataParallel, GradReduce
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
@@ -51,7 +52,7 @@ from fpipe._runtime.rank_driver import RankDriver, backend_for
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe._runtime.stream import Transport
-from fpipe.errors import BatchError, PlacementError
+from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.timeline import Recorder
@@ -74,23 +75,52 @@ def init(device: torch.device | str | None = None) -> torch.device:
     return device
 
 
-def my_stages(schedule: Any, n_stages: int, rank: int | None = None) -> tuple[int, ...]:
-    """The stages that ``rank`` (this rank by default) holds: worker ``w`` is rank ``w``.
+def my_stages(schedule: Any, n_stages: int, rank: int | None = None, *, group: Any = None,
+              mesh: Any = None) -> tuple[int, ...]:
+    """The stages that ``rank`` (a global rank; this rank by default) holds: worker ``w`` is
+    the ``w``-th rank of the pipeline's process group (``group``, or ``mesh["pp"]``, as given
+    to :func:`pipeline`; by default the world, where worker ``w`` is rank ``w``).
 
     Build or load only these stages' parameters and pass them to :func:`pipeline`.
     """
     program = validate(program_of(schedule, n_stages))
     rank = dist.get_rank() if rank is None else rank
-    return tuple(s for s, worker in enumerate(program.placement) if worker == rank)
+    ranks = tuple(dist.get_process_group_ranks(_groups(group, mesh, None)[0]))
+    if rank not in ranks:
+        return ()
+    worker = ranks.index(rank)
+    return tuple(s for s, w in enumerate(program.placement) if w == worker)
+
+
+def _groups(group: Any, mesh: Any, data_parallel: Any) -> tuple[Any, Any]:
+    """The pipeline's process group and the data-parallel one (or ``None``), from
+    ``group=``/``data_parallel=`` or from a ``("dp", "pp")`` mesh."""
+    if mesh is None:
+        return (dist.group.WORLD if group is None else group), data_parallel
+    if group is not None or data_parallel is not None:
+        raise ValueError("give either mesh= or group=/data_parallel=, not both: the mesh's "
+                         "'pp' and 'dp' dimensions are those groups")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names or "dp" not in names:
+        raise ValueError(f"mesh= needs a DeviceMesh with dimensions named 'pp' (the "
+                         f"pipeline's ranks) and 'dp' (the data-parallel replicas), e.g. "
+                         f"init_device_mesh(device, (2, 4), mesh_dim_names=('dp', 'pp')); "
+                         f"got dimension names {names}")
+    if mesh.ndim != 2:
+        raise ValueError(f"mesh= must have exactly the dimensions 'dp' and 'pp'; got {names}")
+    return mesh.get_group("pp"), mesh.get_group("dp")
 
 
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
              loss_fn: Callable | None = None, device: torch.device | str | None = None,
              timeout: float = 60.0, state: Mapping[int, Any] | None = None,
              nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-             autodiff: str = "autograd") -> DistributedPipeline:
-    """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
-    ``schedule`` and ``loss_fn``.
+             autodiff: str = "autograd", group: Any = None, mesh: Any = None,
+             data_parallel: Any = None, grad_reduce: str | None = "mean",
+             bucket_mb: float = 25.0) -> DistributedPipeline:
+    """Build this rank's part of a pipeline; every rank of the pipeline calls it with the same
+    ``stages``, ``schedule`` and ``loss_fn`` (and, with data parallelism, every replica at
+    once).
 
     Args:
         stages: all the stage functions (functions are cheap; parameters are not).
@@ -106,10 +136,30 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             :class:`fpipe.NonFiniteLossError` on every rank).
         grad_dtype: as for :func:`fpipe.pipeline`.
         autodiff: as for :func:`fpipe.pipeline`.
+        group: the process group whose ranks are the pipeline's workers: worker ``w`` is its
+            ``w``-th rank (:attr:`DistributedPipeline.ranks`). By default the world.
+        mesh: instead of ``group`` and ``data_parallel``, a 2-D ``DeviceMesh`` with dimensions
+            named ``"dp"`` and ``"pp"`` (``init_device_mesh(device, (replicas, workers),
+            mesh_dim_names=("dp", "pp"))``): the pipeline runs on ``mesh["pp"]``, its
+            replicas are ``mesh["dp"]``.
+        data_parallel: the process group of this rank's replicas: the ranks that run the same
+            worker of the same pipeline on other shards of the global batch. Each replica
+            passes its own shard (shards may differ in size); every call then returns the mean
+            loss over the global batch, and ``value_and_grad`` (and ``vjp_fn``, whose
+            cotangent each replica gives for its shard's mean) the global batch's gradients.
+        grad_reduce: with ``data_parallel``, what happens to the gradients: ``"mean"`` (the
+            default) weights each replica's by its share of the global batch and all-reduces
+            them (sum), in buckets launched as soon as a stage's gradients are final on this
+            rank, overlapping the rest of the step; ``None`` returns each replica's own
+            gradients of its shard's mean, untouched, for a reduction of the caller's own
+            (``fully_shard``, gradient compression).
+        bucket_mb: the largest bucket of gradients reduced at once, in MiB (per dtype).
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
                                device=device, timeout=timeout, state=state, nonfinite=nonfinite,
-                               grad_dtype=grad_dtype, autodiff=autodiff)
+                               grad_dtype=grad_dtype, autodiff=autodiff, group=group,
+                               mesh=mesh, data_parallel=data_parallel, grad_reduce=grad_reduce,
+                               bucket_mb=bucket_mb)
 
 
 class DistributedPipeline:
@@ -129,12 +179,19 @@ class DistributedPipeline:
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, state: Mapping[int, Any] | None = None,
                  nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-                 autodiff: str = "autograd") -> None:
+                 autodiff: str = "autograd", group: Any = None, mesh: Any = None,
+                 data_parallel: Any = None, grad_reduce: str | None = "mean",
+                 bucket_mb: float = 25.0) -> None:
         check_options(nonfinite, grad_dtype)
         self.nonfinite = nonfinite
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        group, data_parallel = _groups(group, mesh, data_parallel)
+        #: The global rank of each worker: worker ``w`` runs on rank ``ranks[w]``.
+        self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
         self.stages = stages = list(stages)
         check_stages(stages)
         program = program_of(schedule, len(stages))
@@ -143,11 +200,16 @@ class DistributedPipeline:
         self.program, self.inference_program = program, program.forward_only()
         compiled(self._compiled, self.program, True, state is not None)
         compiled(self._compiled, self.inference_program, False, state is not None)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        if program.n_workers != world:
+        self.rank = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise PlacementError(f"rank {self.rank} is not in the pipeline's process group "
+                                 f"(ranks {list(self.ranks)})")
+        if program.n_workers != len(self.ranks):
             raise PlacementError(f"the program has {program.n_workers} workers but the process "
-                                 f"group has {world} ranks: run one rank per worker")
-        self.stages_held = tuple(s for s, w in enumerate(program.placement) if w == self.rank)
+                                 f"group has {len(self.ranks)} ranks: run one rank per worker")
+        #: This rank's worker of the program (its index in :attr:`ranks`).
+        self.worker = self.ranks.index(self.rank)
+        self.stages_held = tuple(s for s, w in enumerate(program.placement) if w == self.worker)
         if set(params) != set(self.stages_held):
             raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
                                  f"got parameters for stages {sorted(params)}")
@@ -169,9 +231,14 @@ class DistributedPipeline:
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False)  # one thread a rank: every draw seeded
-        self.driver = RankDriver(self.rank, program, self.interpreter, self.device, timeout,
-                                 self._compiled)
+        replicas = None if data_parallel is None else DataParallel.ranks_of(
+            data_parallel, grad_reduce, bucket_mb)
+        self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
+                                 self._compiled, replicas)
         self.group, self.wire = self.driver.group, self.driver.wire
+        self.data_parallel = None if data_parallel is None else self._replicas(
+            replicas, grad_reduce, bucket_mb)
+        self._closed = False
         self._running = threading.Lock()
         self._pending: object | None = None  # the step a vjp began, until its vjp_fn runs
 
@@ -188,8 +255,8 @@ class DistributedPipeline:
                  state: Mapping[int, Any] | None = None, record: Recorder | None = None) -> Any:
         """The output on the last stage's rank (``None`` elsewhere); with state, also this
         rank's new ``{stage: state}``. ``record`` receives this rank's timeline."""
-        step, _ = self._step(self.inference_program, False, x, None, params, state, record)
-        y = microbatch.join(step.outputs) if self.rank == self.program.placement[-1] else None
+        step, _, _ = self._step(self.inference_program, False, x, None, params, state, record)
+        y = microbatch.join(step.outputs) if self.worker == self.program.placement[-1] else None
         return (y, self._held_state(step)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
@@ -201,15 +268,23 @@ class DistributedPipeline:
         ``record`` receives this rank's timeline."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        step, (loss, parts) = self._step(self.program, True, x, target, params, state, record)
-        # Every rank has each micro-batch's loss, so every rank refuses a non-finite one; the
-        # step itself ended in lockstep, so the pipeline stays usable.
-        error = nonfinite_error(parts) if self.nonfinite == "raise" else None
-        if error is not None:
-            raise error
-        grads = step.grads.out()
-        grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
-                 for s in self.stages_held}
+        step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
+                                                  record)
+        grads = self._grads(step, replica)
+        if replica is not None:
+            loss = self.driver.faults.guarded(
+                lambda: self.data_parallel.loss(loss, replica.share, self.driver.faults))
+        # Every rank has each micro-batch's loss (and the global loss), so every rank refuses
+        # a non-finite one; the step itself ended in lockstep, so the pipeline stays usable.
+        if self.nonfinite == "raise":
+            error = nonfinite_error(parts)
+            if error is None and not bool(torch.isfinite(loss)):
+                error = NonFiniteLossError(
+                    "the loss is not finite on another data-parallel replica; no gradient was "
+                    "returned. Build the pipeline with nonfinite='ignore' to handle this "
+                    "yourself", [])
+            if error is not None:
+                raise error
         loss = returned_loss(loss)
         return (loss, grads, self._held_state(step)) if self.stateful else (loss, grads)
 
@@ -232,8 +307,36 @@ class DistributedPipeline:
             check_state(state, {s: self.device for s in self.stages_held})
         return [state.get(s) for s in range(self.program.n_stages)]
 
+    def close(self) -> None:
+        """Collective: wait until every rank of the pipeline (and of its data-parallel group)
+        has come here, so none tears down a connection another still reads from, then release
+        fpipe's process groups. Later calls raise; ``dist.destroy_process_group()`` is safe
+        right after. A ``with`` block closes the pipeline at its end; closing twice does
+        nothing more. After a failure, the groups are released without waiting."""
+        if self._closed:
+            return
+        with self._alone(self._pending):
+            self._closed = True
+            self._pending = None
+            if self.driver.faults.broken is None:
+                self.driver.faults.guarded(self._close_groups)
+
+    def _close_groups(self) -> None:
+        if self.data_parallel is not None:
+            self.driver.faults.wait(
+                dist.barrier(group=self.data_parallel.group, async_op=True),
+                "its data-parallel replicas to close the pipeline", self.data_parallel.peer)
+        self.driver.close()
+
+    def __enter__(self) -> DistributedPipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def __repr__(self) -> str:
-        return (f"DistributedPipeline(rank {self.rank} of {self.program.n_workers}, stages "
+        return (f"DistributedPipeline(rank {self.rank}, worker {self.worker} of "
+                f"{self.program.n_workers}, stages "
                 f"{list(self.stages_held)} on {self.device}, schedule={self.program!r})")
 
     # -- one step ------------------------------------------------------------------------------
@@ -253,29 +356,30 @@ class DistributedPipeline:
         plan = self.driver.plan(self.program, True, self.stateful)
         check_turn(plan)
         with self._alone():
-            step, channel = self._begin(self.program, 2, x, None, params, state, None)
+            step, channel, replica = self._begin(self.program, 2, x, None, params, state,
+                                                 None)
             with self._seeded(step):
                 self.driver.faults.guarded(
-                    lambda: self.driver.run(step, before_turn(plan[self.rank]), channel))
+                    lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
         pending = self._pending = object()
-        last = self.rank == self.program.placement[-1]
+        last = self.worker == self.program.placement[-1]
 
         def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
             with self._alone(pending):
                 self._pending = None
-                self.driver.faults.guarded(lambda: self._backward(step, channel, plan, cotangent))
-            grads = step.grads.out()
-            grads = {s: optree.tree_unflatten(self.param_specs[s], grads[s])
-                     for s in self.stages_held}
-            first = self.rank == self.program.placement[0]
+                self.driver.faults.guarded(
+                    lambda: self._backward(step, channel, plan, cotangent, replica))
+                grads = self._grads(step, replica)
+            first = self.worker == self.program.placement[0]
             return grads, input_grads(step.inputs, step.ends.grads) if first else None
 
         y = microbatch.join([out.tree() for out in step.outputs]) if last else None
         return (y, vjp_fn, self._held_state(step)) if self.stateful else (y, vjp_fn)
 
-    def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any) -> None:
+    def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any,
+                  replica: _Replica | None) -> None:
         """The second call of a :meth:`vjp` step: everything after the forwards."""
-        if self.rank == self.program.placement[-1]:
+        if self.worker == self.program.placement[-1]:
             if cotangent is None:
                 raise ValueError(f"rank {self.rank} holds the last stage, so vjp_fn needs the "
                                  f"output's cotangent")
@@ -284,8 +388,31 @@ class DistributedPipeline:
                                     for m, (out, piece) in enumerate(zip(step.outputs,
                                                                          pieces))]
         with self._seeded(step):
-            self.driver.run(step, after_turn(plan[self.rank]), channel)
+            self.driver.run(step, after_turn(plan[self.worker]), channel,
+                            None if replica is None else replica.reduce)
         self.driver.finish(step, channel, False)
+
+    # -- a step's gradients --------------------------------------------------------------------
+
+    def _grads(self, step: Step, replica: _Replica | None) -> dict:
+        """``{stage: grads}`` of this rank's stages: the step's sums, then their reductions
+        (data parallel: waited for here), in this one place."""
+        grads = step.grads.out()
+        if replica is not None and replica.reduce is not None:
+            grads = self.driver.faults.guarded(lambda: replica.reduce.apply(grads, step.grads))
+        return {s: optree.tree_unflatten(self.param_specs[s], grads[s])
+                for s in self.stages_held}
+
+    def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None,
+                  bucket_mb: float) -> DataParallel:
+        """The data-parallel reduction over fpipe's group on ``ranks``, checked to run this
+        worker of the same program on every replica."""
+        dp = DataParallel(self.driver.dp_group, ranks, grad_reduce,
+                          max(1, int(bucket_mb * 2**20)), self.wire)
+        self.driver.faults.guarded(lambda: dp.check_alike(
+            self.driver.faults, self.worker,
+            (self.program.n_workers, self.program.n_stages, self.chunks)))
+        return dp
 
     @contextlib.contextmanager
     def _alone(self, pending: object | None = None) -> Iterator[None]:
@@ -297,6 +424,9 @@ class DistributedPipeline:
                                "thread; its calls are collective, so make them from one thread, "
                                "in the same order on every rank")
         try:
+            if self._closed:
+                raise RuntimeError("this distributed pipeline was closed: build a new one "
+                                   "(on every rank) to run more steps")
             if self.driver.faults.broken is not None:
                 raise RuntimeError("this distributed pipeline stopped after a failure and "
                                    "cannot run again; restart the job") \
@@ -312,15 +442,17 @@ class DistributedPipeline:
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None) -> tuple[Step, tuple | None]:
+              record: Recorder | None) -> tuple[Step, tuple | None, _Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         with self._alone():
-            step, channel = self._begin(program, int(training), x, target, params, state,
-                                        record)
+            step, channel, replica = self._begin(program, int(training), x, target, params,
+                                                 state, record)
             plan = self.driver.plan(program, training, self.stateful)
+            reduce = None if replica is None else replica.reduce
             with self._seeded(step):
                 return step, self.driver.faults.guarded(
-                    lambda: self.driver.run_all(step, plan[self.rank], channel, training))
+                    lambda: self.driver.run_all(step, plan[self.worker], channel, training,
+                                                reduce)), replica
 
     @contextlib.contextmanager
     def _seeded(self, step: Step) -> Iterator[None]:
@@ -333,8 +465,9 @@ class DistributedPipeline:
 
     def _begin(self, program: Program, call: int, x: Any, target: Any,
                params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-               record: Recorder | None) -> tuple[Step, Any]:
-        """A new step, agreed with every rank (the header), and its channel."""
+               record: Recorder | None) -> tuple[Step, Any, _Replica | None]:
+        """A new step, agreed with every rank (the header), its channel, and with data
+        parallelism in training, this replica's share of the global batch and its reduction."""
         leaves = self._param_leaves(params)
         states = self._states(state)
         training = call > 0
@@ -345,11 +478,18 @@ class DistributedPipeline:
                 lambda: self.driver.header(x, seed.seed, call))
         finally:
             seed.restore()
-        if n < self.chunks:  # every rank knows n, so every rank raises this by itself
+        replica = None
+        if self.data_parallel is not None and training:
+            # Every replica learns the global batch; a shard too small stops them all.
+            total = self.data_parallel.total(n, self.chunks, self.driver.faults)
+            replica = _Replica(n / total, self.data_parallel.step(
+                n / total, self.driver.faults, self.stages_held))
+        elif n < self.chunks:  # every rank knows n, so every rank raises this by itself
             raise BatchError(f"the input batch has {n} samples, fewer than chunks="
                              f"{self.chunks}: every micro-batch needs at least one sample")
-        return self.driver.faults.guarded(lambda: self._new_step(
+        step, channel = self.driver.faults.guarded(lambda: self._new_step(
             program, training, call == 2, leaves, states, x, target, n, seed_value, record))
+        return step, channel, replica
 
     def _new_step(self, program: Program, training: bool, open_ended: bool, params: list,
                   states: list, x: Any, target: Any, n: int, seed: int,
@@ -357,9 +497,9 @@ class DistributedPipeline:
         owners, last = program.placement, len(params) - 1
         sizes = microbatch.sizes(n, self.chunks)
         inputs = targets = None
-        if self.rank == owners[0]:
+        if self.worker == owners[0]:
             inputs = [flatten(mb) for mb in microbatch.split(_to(x, self.device), self.chunks)]
-        if self.rank == owners[last] and training and not open_ended and target is not None:
+        if self.worker == owners[last] and training and not open_ended and target is not None:
             m = microbatch.batch_size(target, "target")
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
@@ -398,6 +538,14 @@ class DistributedPipeline:
             check_params(params, {s: self.device for s in self.stages_held})
         return [[leaf.detach() for leaf in optree.tree_leaves(params[s])] if s in params
                 else None for s in range(self.program.n_stages)]
+
+
+class _Replica(NamedTuple):
+    """A data-parallel training step's part: this replica's share of the global batch and
+    the reduction of its gradients (``None`` with ``grad_reduce=None``)."""
+
+    share: float
+    reduce: GradReduce | None
 
 
 def _to(tree: Any, device: torch.device) -> Any:
