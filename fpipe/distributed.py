@@ -85,10 +85,12 @@ def my_stages(schedule: Any, n_stages: int, rank: int | None = None, *, group: A
     """
     program = validate(program_of(schedule, n_stages))
     rank = dist.get_rank() if rank is None else rank
-    ranks = tuple(dist.get_process_group_ranks(_groups(group, mesh, None)[0]))
-    if rank not in ranks:
-        return ()
-    worker = ranks.index(rank)
+    worker = rank
+    if group is not None or mesh is not None:
+        ranks = tuple(dist.get_process_group_ranks(_groups(group, mesh, None)[0]))
+        if rank not in ranks:
+            return ()
+        worker = ranks.index(rank)
     return tuple(s for s, w in enumerate(program.placement) if w == worker)
 
 
