@@ -40,6 +40,7 @@ from fpipe._runtime.data_parallel import DataParallel, GradReduce
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
+    check_training,
     input_grads,
     nonfinite_error,
     output_cotangent,
@@ -317,11 +318,15 @@ class DistributedPipeline:
         nothing more. After a failure, the groups are released without waiting."""
         if self._closed:
             return
-        with self._alone(self._pending):
-            self._closed = True
-            self._pending = None
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError("close() was called while another thread runs a step of this "
+                               "distributed pipeline; close it from the thread that calls it")
+        try:
+            self._closed, self._pending = True, None
             if self.driver.faults.broken is None:
                 self.driver.faults.guarded(self._close_groups)
+        finally:
+            self._running.release()
 
     def _close_groups(self) -> None:
         if self.data_parallel is not None:
@@ -473,6 +478,8 @@ class DistributedPipeline:
         leaves = self._param_leaves(params)
         states = self._states(state)
         training = call > 0
+        if training:
+            check_training()
         self.driver.calls += 1
         seed = StepSeed([self.device])
         try:
@@ -486,9 +493,8 @@ class DistributedPipeline:
             total = self.data_parallel.total(n, self.chunks, self.driver.faults)
             replica = _Replica(n / total, self.data_parallel.step(
                 n / total, self.driver.faults, self.stages_held))
-        elif n < self.chunks:  # every rank knows n, so every rank raises this by itself
-            raise BatchError(f"the input batch has {n} samples, fewer than chunks="
-                             f"{self.chunks}: every micro-batch needs at least one sample")
+        else:  # every rank knows n, so every rank raises this by itself
+            microbatch.check_size(n, self.chunks)
         step, channel = self.driver.faults.guarded(lambda: self._new_step(
             program, training, call == 2, leaves, states, x, target, n, seed_value, record))
         return step, channel, replica

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime.faults import RankFaults
+from fpipe._runtime.microbatch import check_size
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Op
 
@@ -85,9 +86,7 @@ class DataParallel:
         faults.wait(dist.all_reduce(sizes, group=self.group, async_op=True),
                     "the batch sizes of its data-parallel replicas", self.peer)
         total, short = sizes.tolist()
-        if n < chunks:
-            raise BatchError(f"the input batch has {n} samples, fewer than chunks={chunks}: "
-                             f"every micro-batch needs at least one sample")
+        check_size(n, chunks)
         if short:
             raise BatchError(f"{short} data-parallel replica(s) of rank {dist.get_rank()} got "
                              f"fewer samples than chunks={chunks}, so no replica runs the step")
