@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
-from fpipe._runtime.data_parallel import DataParallel, GradReduce
+from fpipe._runtime.data_parallel import DataParallel, GradReduce, mesh_groups
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
@@ -48,8 +47,10 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
 from fpipe._runtime.interpreter import Interpreter
-from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.placement import check_params
+from fpipe._runtime.rank_calls import Calls
 from fpipe._runtime.rank_driver import RankDriver, backend_for
+from fpipe._runtime.rank_inputs import Held, held_device, to
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe._runtime.stream import Transport
@@ -88,30 +89,11 @@ def my_stages(schedule: Any, n_stages: int, rank: int | None = None, *, group: A
     rank = dist.get_rank() if rank is None else rank
     worker = rank
     if group is not None or mesh is not None:
-        ranks = tuple(dist.get_process_group_ranks(_groups(group, mesh, None)[0]))
+        ranks = tuple(dist.get_process_group_ranks(mesh_groups(group, mesh, None)[0]))
         if rank not in ranks:
             return ()
         worker = ranks.index(rank)
     return tuple(s for s, w in enumerate(program.placement) if w == worker)
-
-
-def _groups(group: Any, mesh: Any, data_parallel: Any) -> tuple[Any, Any]:
-    """The pipeline's process group and the data-parallel one (or ``None``), from
-    ``group=``/``data_parallel=`` or from a ``("dp", "pp")`` mesh."""
-    if mesh is None:
-        return (dist.group.WORLD if group is None else group), data_parallel
-    if group is not None or data_parallel is not None:
-        raise ValueError("give either mesh= or group=/data_parallel=, not both: the mesh's "
-                         "'pp' and 'dp' dimensions are those groups")
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if "pp" not in names or "dp" not in names:
-        raise ValueError(f"mesh= needs a DeviceMesh with dimensions named 'pp' (the "
-                         f"pipeline's ranks) and 'dp' (the data-parallel replicas), e.g. "
-                         f"init_device_mesh(device, (2, 4), mesh_dim_names=('dp', 'pp')); "
-                         f"got dimension names {names}")
-    if mesh.ndim != 2:
-        raise ValueError(f"mesh= must have exactly the dimensions 'dp' and 'pp'; got {names}")
-    return mesh.get_group("pp"), mesh.get_group("dp")
 
 
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
@@ -192,7 +174,7 @@ class DistributedPipeline:
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        group, data_parallel = _groups(group, mesh, data_parallel)
+        group, data_parallel = mesh_groups(group, mesh, data_parallel)
         #: The global rank of each worker: worker ``w`` runs on rank ``ranks[w]``.
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
         self.stages = stages = list(stages)
@@ -217,18 +199,16 @@ class DistributedPipeline:
             raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
                                  f"got parameters for stages {sorted(params)}")
         self.params = {s: params[s] for s in self.stages_held}
-        self.device = self._device(device)
+        self.device = held_device(self.params, device, self.rank)
         check_params(self.params, {s: self.device for s in self.stages_held})
         self.param_specs = {s: optree.tree_structure(p) for s, p in self.params.items()}
+        self.held = Held(self.rank, self.stages_held, self.device, self.param_specs, len(stages))
         self.loss_fn = loss_fn
         self.timeout = timeout
         self.state = None
         if state is not None:
-            if set(state) != set(self.stages_held):
-                raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} "
-                                     f"but got state for stages {sorted(state)}")
+            self.held.check_state(state, PlacementError)
             self.state = {s: state[s] for s in self.stages_held}
-            check_state(self.state, {s: self.device for s in self.stages_held})
         self.interpreter = Interpreter(
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
@@ -241,9 +221,7 @@ class DistributedPipeline:
         self.group, self.wire = self.driver.group, self.driver.wire
         self.data_parallel = None if data_parallel is None else self._replicas(
             replicas, grad_reduce, bucket_mb)
-        self._closed = False
-        self._running = threading.Lock()
-        self._pending: object | None = None  # the step a vjp began, until its vjp_fn runs
+        self._calls = Calls(self.driver.faults)
 
     @property
     def chunks(self) -> int:
@@ -281,7 +259,7 @@ class DistributedPipeline:
         # a non-finite one; the step itself ended in lockstep, so the pipeline stays usable.
         if self.nonfinite == "raise":
             error = nonfinite_error(parts)
-            if error is None and not bool(torch.isfinite(loss)):
+            if error is None and replica is not None and not bool(torch.isfinite(loss)):
                 error = NonFiniteLossError(
                     "the loss is not finite on another data-parallel replica; no gradient was "
                     "returned. Build the pipeline with nonfinite='ignore' to handle this "
@@ -294,41 +272,15 @@ class DistributedPipeline:
     def _held_state(self, step: Step) -> dict:
         return {s: step.state[s] for s in self.stages_held}
 
-    def _states(self, state: Mapping[int, Any] | None) -> list:
-        """Per stage of the whole pipeline, the state this rank passes (``None`` for others)."""
-        if not self.stateful:
-            if state is not None:
-                raise ValueError("this pipeline has no state: build it with state=... to pass "
-                                 "state to its stages")
-            return [None] * self.program.n_stages
-        if state is None:
-            state = self.state
-        elif set(state) != set(self.stages_held):
-            raise ValueError(f"rank {self.rank} holds stages {list(self.stages_held)} but got "
-                             f"state for stages {sorted(state)}")
-        else:
-            check_state(state, {s: self.device for s in self.stages_held})
-        return [state.get(s) for s in range(self.program.n_stages)]
-
     def close(self) -> None:
         """Collective: wait until every rank of the pipeline (and of its data-parallel group)
         has come here, so none tears down a connection another still reads from, then release
         fpipe's process groups. Later calls raise; ``dist.destroy_process_group()`` is safe
         right after. A ``with`` block closes the pipeline at its end; closing twice does
         nothing more. After a failure, the groups are released without waiting."""
-        if self._closed:
-            return
-        if not self._running.acquire(blocking=False):
-            raise RuntimeError("close() was called while another thread runs a step of this "
-                               "distributed pipeline; close it from the thread that calls it")
-        try:
-            self._closed, self._pending = True, None
-            if self.driver.faults.broken is None:
-                self.driver.faults.guarded(self._close_groups)
-        finally:
-            self._running.release()
+        self._calls.close(self._release)
 
-    def _close_groups(self) -> None:
+    def _release(self) -> None:
         if self.data_parallel is not None:
             self.driver.faults.wait(
                 dist.barrier(group=self.data_parallel.group, async_op=True),
@@ -362,18 +314,18 @@ class DistributedPipeline:
         else. A stateful pipeline returns ``(y, vjp_fn, new_state)``."""
         plan = self.driver.plan(self.program, True, self.stateful)
         check_turn(plan)
-        with self._alone():
+        with self._calls.alone():
             step, channel, replica = self._begin(self.program, 2, x, None, params, state,
                                                  None)
             with self._seeded(step):
                 self.driver.faults.guarded(
                     lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
-        pending = self._pending = object()
+        pending = self._calls.pending = object()
         last = self.worker == self.program.placement[-1]
 
         def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
-            with self._alone(pending):
-                self._pending = None
+            with self._calls.alone(pending):
+                self._calls.pending = None
                 self.driver.faults.guarded(
                     lambda: self._backward(step, channel, plan, cotangent, replica))
                 grads = self._grads(step, replica)
@@ -390,7 +342,7 @@ class DistributedPipeline:
             if cotangent is None:
                 raise ValueError(f"rank {self.rank} holds the last stage, so vjp_fn needs the "
                                  f"output's cotangent")
-            pieces = microbatch.split(_to(cotangent, self.device), self.chunks, "cotangent")
+            pieces = microbatch.split(to(cotangent, self.device), self.chunks, "cotangent")
             step.ends.cotangents = [output_cotangent(out, piece, m)
                                     for m, (out, piece) in enumerate(zip(step.outputs,
                                                                          pieces))]
@@ -421,37 +373,11 @@ class DistributedPipeline:
             (self.program.n_workers, self.program.n_stages, self.chunks)))
         return dp
 
-    @contextlib.contextmanager
-    def _alone(self, pending: object | None = None) -> Iterator[None]:
-        """Hold the pipeline for one call: a second thread's call while one runs is refused
-        rather than queued, since nothing could make two threads' calls reach every rank in
-        one order; so is any call but its ``vjp_fn`` while a vjp step is half done."""
-        if not self._running.acquire(blocking=False):
-            raise RuntimeError("this distributed pipeline is already running a step on another "
-                               "thread; its calls are collective, so make them from one thread, "
-                               "in the same order on every rank")
-        try:
-            if self._closed:
-                raise RuntimeError("this distributed pipeline was closed: build a new one "
-                                   "(on every rank) to run more steps")
-            if self.driver.faults.broken is not None:
-                raise RuntimeError("this distributed pipeline stopped after a failure and "
-                                   "cannot run again; restart the job") \
-                    from self.driver.faults.broken
-            if self._pending is not pending:
-                raise RuntimeError("this vjp function was called already: a pipeline step "
-                                   "runs its backward once" if pending is not None else
-                                   "a step begun by vjp() is waiting for its vjp_fn: call it "
-                                   "(on every rank) before anything else")
-            yield
-        finally:
-            self._running.release()
-
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
               record: Recorder | None) -> tuple[Step, tuple | None, _Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
-        with self._alone():
+        with self._calls.alone():
             step, channel, replica = self._begin(program, int(training), x, target, params,
                                                  state, record)
             plan = self.driver.plan(program, training, self.stateful)
@@ -475,8 +401,8 @@ class DistributedPipeline:
                record: Recorder | None) -> tuple[Step, Any, _Replica | None]:
         """A new step, agreed with every rank (the header), its channel, and with data
         parallelism in training, this replica's share of the global batch and its reduction."""
-        leaves = self._param_leaves(params)
-        states = self._states(state)
+        leaves = self.held.param_leaves(params, self.params)
+        states = self.held.states(state, self.state)
         training = call > 0
         if training:
             check_training()
@@ -506,12 +432,12 @@ class DistributedPipeline:
         sizes = microbatch.sizes(n, self.chunks)
         inputs = targets = None
         if self.worker == owners[0]:
-            inputs = [flatten(mb) for mb in microbatch.split(_to(x, self.device), self.chunks)]
+            inputs = [flatten(mb) for mb in microbatch.split(to(x, self.device), self.chunks)]
         if self.worker == owners[last] and training and not open_ended and target is not None:
             m = microbatch.batch_size(target, "target")
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
-            targets = microbatch.split(_to(target, self.device), self.chunks, "target")
+            targets = microbatch.split(to(target, self.device), self.chunks, "target")
         clock = None if record is None else record.clock(
             owners, program.n_workers, [self.device] * program.n_stages)
         weights = [1.0] * len(sizes) if open_ended else [size / n for size in sizes]
@@ -520,42 +446,9 @@ class DistributedPipeline:
         plan = self.driver.plan(program, training, self.stateful)
         return step, self.driver.channel(program, training, plan)
 
-    # -- parameters ----------------------------------------------------------------------------
-
-    def _device(self, device: torch.device | str | None) -> torch.device:
-        found = set(stage_devices(self.params, None)) if self.params else set()
-        if device is not None:
-            found.add(torch.device(device))
-        if len(found) > 1:
-            raise PlacementError(f"rank {self.rank} runs on one device, but its stages' "
-                                 f"parameters and device= name {sorted(map(str, found))}")
-        return found.pop() if found else torch.device("cpu")
-
-    def _param_leaves(self, params: Mapping[int, Any] | None) -> list:
-        if params is None:
-            params = self.params
-        else:
-            if set(params) != set(self.stages_held):
-                raise ValueError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
-                                 f"got parameters for stages {sorted(params)}")
-            for s in self.stages_held:
-                if optree.tree_structure(params[s]) != self.param_specs[s]:
-                    raise ValueError(f"params[{s}] has structure "
-                                     f"{optree.tree_structure(params[s])}, but the pipeline was "
-                                     f"built with {self.param_specs[s]}")
-            check_params(params, {s: self.device for s in self.stages_held})
-        return [[leaf.detach() for leaf in optree.tree_leaves(params[s])] if s in params
-                else None for s in range(self.program.n_stages)]
-
-
 class _Replica(NamedTuple):
     """A data-parallel training step's part: this replica's share of the global batch and
     the reduction of its gradients (``None`` with ``grad_reduce=None``)."""
 
     share: float
     reduce: GradReduce | None
-
-
-def _to(tree: Any, device: torch.device) -> Any:
-    return optree.tree_map(
-        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, tree)

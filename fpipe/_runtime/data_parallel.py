@@ -33,7 +33,7 @@ from fpipe._runtime.microbatch import check_size
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Op
 
-__all__ = ["DataParallel", "GradReduce", "REDUCTIONS"]
+__all__ = ["DataParallel", "GradReduce", "REDUCTIONS", "mesh_groups"]
 
 #: What ``grad_reduce=`` may say: the global batch's mean, or gradients left to the caller.
 REDUCTIONS = ("mean", None)
@@ -176,3 +176,22 @@ def _buckets(grads: list, cap: int) -> list[list[int]]:
             indices, used = [], 0
         open_[grad.dtype] = (indices + [i], used + size)
     return done + [indices for indices, _ in open_.values() if indices]
+
+
+def mesh_groups(group: Any, mesh: Any, data_parallel: Any) -> tuple[Any, Any]:
+    """The pipeline's process group and the data-parallel one (or ``None``), from
+    ``group=``/``data_parallel=`` or from a ``("dp", "pp")`` mesh."""
+    if mesh is None:
+        return (dist.group.WORLD if group is None else group), data_parallel
+    if group is not None or data_parallel is not None:
+        raise ValueError("give either mesh= or group=/data_parallel=, not both: the mesh's "
+                         "'pp' and 'dp' dimensions are those groups")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names or "dp" not in names:
+        raise ValueError(f"mesh= needs a DeviceMesh with dimensions named 'pp' (the "
+                         f"pipeline's ranks) and 'dp' (the data-parallel replicas), e.g. "
+                         f"init_device_mesh(device, (2, 4), mesh_dim_names=('dp', 'pp')); "
+                         f"got dimension names {names}")
+    if mesh.ndim != 2:
+        raise ValueError(f"mesh= must have exactly the dimensions 'dp' and 'pp'; got {names}")
+    return mesh.get_group("pp"), mesh.get_group("dp")
