@@ -68,8 +68,10 @@ def uneven_steps() -> list:
 def groups(rank: int, world: int) -> dict:
     """Explicit ``group=`` and ``data_parallel=`` groups, shards of 5 and 3 samples: a
     training step, a vjp step, the gradients left alone (``grad_reduce=None``), and a shard
-    smaller than ``chunks`` refused on every replica."""
-    made = {tuple(r): dist.new_group(list(r)) for r in ([0, 1], [2, 3], [0, 2], [1, 3])}
+    smaller than ``chunks`` refused on every replica; last, "replicas" pairing different workers
+    refused."""
+    pairs = ([0, 1], [2, 3], [0, 2], [1, 3], [0, 3], [1, 2])
+    made = {tuple(r): dist.new_group(list(r)) for r in pairs}  # by every rank, in one order
     replica, worker = divmod(rank, 2)
     pp = made[(0, 1)] if replica == 0 else made[(2, 3)]
     dp = made[(0, 2)] if worker == 0 else made[(1, 3)]
@@ -99,7 +101,36 @@ def groups(rank: int, world: int) -> dict:
     with fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse, group=pp,
                         data_parallel=dp, grad_reduce=None, timeout=20) as pipe:
         out["alone"] = pipe.value_and_grad(xs if first else None, ts if last else None)
+    crossed = made[(0, 3)] if rank in (0, 3) else made[(1, 2)]
+    try:  # replicas paired worker 0 with worker 1: refused on every rank
+        fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse, group=pp,
+                       data_parallel=crossed, timeout=20)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        out["crossed"] = (type(exc).__name__, str(exc))
     return out
+
+
+def cursed(p, x):
+    if (x == 99).any():
+        raise ValueError("sample 99 is cursed")
+    return block(p, x)
+
+
+def replica_fails(rank: int, world: int) -> dict:
+    """A stage raising in replica 1 only: every rank of both replicas stops with an error."""
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, worker = device_mesh.get_coordinate()
+    schedule, full = fdist_schedule("1f1b", 2), mlp_params(2)
+    x, target = data(4, 8, seed=34)
+    if replica == 1:
+        x[0, 0] = 99
+    pipe = fdist.pipeline([cursed, block], {worker: full[worker]}, schedule=schedule,
+                          loss_fn=mse, mesh=device_mesh, timeout=10)
+    try:
+        pipe.value_and_grad(x if worker == 0 else None, target if worker == 1 else None)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return {"error": (type(exc).__name__, str(exc))}
+    return {"error": None}
 
 
 def closing(rank: int, world: int) -> dict:

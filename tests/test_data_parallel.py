@@ -11,7 +11,7 @@ from data_parallel_ranks import LR, MESH_CASES, mesh_steps, shard, uneven_steps
 from distributed_ranks import fdist_schedule, spawn
 from models import block, mlp_params, mse, whole_batch
 
-from fpipe._runtime.data_parallel import GradReduce, _buckets
+from fpipe._runtime.data_parallel import GradReduce, _buckets, mesh_groups
 from fpipe._runtime.instructions import compiled
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -81,6 +81,18 @@ def test_explicit_groups_uneven_shards_vjp_and_gradients_left_alone():
         xs, ts = shard(x, replica, (5, 3)), shard(target, replica, (5, 3))
         _, own = whole_batch([block, block], params, xs, ts, mse)
         torch.testing.assert_close(alone[worker], own[worker], **TIGHT)
+        kind, message = result["crossed"]  # data_parallel groups pairing worker 0 with 1
+        assert kind == "PlacementError" and "data_parallel group" in message
+
+
+def test_a_failure_in_one_replica_stops_every_rank_of_both():
+    results, codes = spawn("data_parallel_ranks:replica_fails", 4, timeout=120)
+    _ok(results, codes)
+    assert results[2]["error"] == ("ValueError", "sample 99 is cursed")  # the cursed stage
+    assert results[3]["error"][0] == "StageError"  # its pipeline's other rank
+    for rank in (0, 1):  # the other replica, woken from its gradient reduction
+        kind, message = results[rank]["error"]
+        assert kind in ("PeerError", "StageError"), (rank, kind, message)
 
 
 def test_close_then_destroy_process_group_is_safe_and_later_calls_raise():
@@ -103,6 +115,22 @@ def test_a_stage_gradients_are_reduced_as_soon_as_they_are_final():
     assert cuts[3] < cuts[0] == len(actions)
     assert all(a[0].op.name not in ("BACKWARD", "BACKWARD_WEIGHT") or a[1] != 3
                for a in actions[cuts[3]:])
+
+
+class _Mesh:
+    def __init__(self, names):
+        self.mesh_dim_names, self.ndim = names, len(names)
+
+
+def test_a_mesh_needs_dp_and_pp_dimensions_and_no_other_groups():
+    with pytest.raises(ValueError, match="named 'pp'"):
+        mesh_groups(None, _Mesh(("data", "pipe")), None)
+    with pytest.raises(ValueError, match="exactly the dimensions"):
+        mesh_groups(None, _Mesh(("dp", "pp", "tp")), None)
+    with pytest.raises(ValueError, match="not both"):
+        mesh_groups(object(), _Mesh(("dp", "pp")), None)
+    with pytest.raises(ValueError, match="not both"):
+        mesh_groups(None, _Mesh(("dp", "pp")), object())
 
 
 @pytest.mark.parametrize("cap, expected", [(10**6, [[0, 2], [1]]), (40, [[0], [2], [1]])])
