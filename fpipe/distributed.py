@@ -157,7 +157,12 @@ class DistributedPipeline:
     (and the step's random seed) from the rank of stage 0.
 
     Calls are collective: every rank makes the same ones in the same order, from one thread (a
-    call while another is running raises ``RuntimeError``).
+    call while another is running raises ``RuntimeError``). With data parallelism, the loss and
+    gradients are the global batch's (see :func:`pipeline`'s ``data_parallel``).
+
+    Worker ``w`` of the program runs on the global rank ``ranks[w]``; this rank is
+    ``ranks[worker]``. ``close()`` (or the end of a ``with`` block) waits for every rank of the
+    pipeline and releases fpipe's process groups; calls after it raise ``RuntimeError``.
     """
 
     def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
@@ -311,7 +316,12 @@ class DistributedPipeline:
         this rank's stages and ``x_grad`` the input's gradient on the rank of stage 0
         (``None`` elsewhere). The schedule must run every worker's forwards first (``gpipe``):
         the forwards run now, the rest in ``vjp_fn``, and until then the pipeline runs nothing
-        else. A stateful pipeline returns ``(y, vjp_fn, new_state)``."""
+        else. A stateful pipeline returns ``(y, vjp_fn, new_state)``.
+
+        With data parallelism, each replica passes the cotangent of its own shard's mean loss;
+        ``grads`` are then the global batch's (weighted by the replicas' shares and summed, as
+        in :meth:`value_and_grad`), and ``x_grad`` is this shard's input gradient for the
+        cotangent as given."""
         plan = self.driver.plan(self.program, True, self.stateful)
         check_turn(plan)
         with self._calls.alone():
