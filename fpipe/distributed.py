@@ -219,8 +219,8 @@ class DistributedPipeline:
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False)  # one thread a rank: every draw seeded
-        replicas = None if data_parallel is None else DataParallel.ranks_of(
-            data_parallel, grad_reduce, bucket_mb)
+        DataParallel.check_options(grad_reduce, bucket_mb)
+        replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
                                  self._compiled, replicas)
         self.group, self.wire = self.driver.group, self.driver.wire

@@ -11,7 +11,7 @@ from data_parallel_ranks import LR, MESH_CASES, mesh_steps, shard, uneven_steps
 from distributed_ranks import fdist_schedule, spawn
 from models import block, mlp_params, mse, whole_batch
 
-from fpipe._runtime.data_parallel import GradReduce, _buckets, mesh_groups
+from fpipe._runtime.data_parallel import DataParallel, GradReduce, _buckets, mesh_groups
 from fpipe._runtime.instructions import compiled
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -138,3 +138,11 @@ def test_buckets_group_leaves_by_dtype_within_the_cap(cap, expected):
     grads = [torch.zeros(4, dtype=torch.float64), torch.zeros(3, dtype=torch.float32),
              torch.zeros(2, dtype=torch.float64)]
     assert sorted(_buckets(grads, cap)) == sorted(expected)
+
+
+@pytest.mark.parametrize("reduce, bucket_mb, match", [("sum", 25.0, "grad_reduce"),
+                                                       ("mean", 0, "bucket_mb"),
+                                                       (None, "big", "bucket_mb")])
+def test_bad_reduction_options_are_refused(reduce, bucket_mb, match):
+    with pytest.raises(ValueError, match=match):
+        DataParallel.check_options(reduce, bucket_mb)

@@ -51,13 +51,17 @@ class DataParallel:
         self.peer = next((r for r in self.ranks if r != dist.get_rank()), self.ranks[0])
 
     @staticmethod
-    def ranks_of(group: Any, reduce: str | None, bucket_mb: float) -> tuple[int, ...]:
-        """The global ranks of the caller's data-parallel ``group``, and the options checked,
-        before any group of fpipe's is made."""
+    def check_options(reduce: str | None, bucket_mb: float) -> None:
+        """``grad_reduce=`` and ``bucket_mb=`` checked (with or without ``data_parallel``)."""
         if reduce not in REDUCTIONS:
             raise ValueError(f"grad_reduce must be 'mean' or None, got {reduce!r}")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+
+    @staticmethod
+    def ranks_of(group: Any) -> tuple[int, ...]:
+        """The global ranks of the caller's data-parallel ``group``, before any group of
+        fpipe's is made."""
         ranks = tuple(dist.get_process_group_ranks(group))
         if dist.get_rank() not in ranks:
             raise PlacementError(f"rank {dist.get_rank()} is not in its data_parallel group "
