@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -36,9 +35,11 @@ import torch.distributed as dist
 
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
+from fpipe._runtime.data_parallel import DataParallel, GradReduce, mesh_groups
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
+    check_training,
     input_grads,
     nonfinite_error,
     output_cotangent,
@@ -46,13 +47,15 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
 from fpipe._runtime.interpreter import Interpreter
-from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.placement import check_params
+from fpipe._runtime.rank_calls import Calls
 from fpipe._runtime.rank_driver import RankDriver, backend_for
+from fpipe._runtime.rank_inputs import Held, held_device, to
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.tie_groups import TieGroups
-from fpipe.errors import BatchError, PlacementError
+from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.timeline import Recorder
@@ -75,23 +78,35 @@ def init(device: torch.device | str | None = None) -> torch.device:
     return device
 
 
-def my_stages(schedule: Any, n_stages: int, rank: int | None = None) -> tuple[int, ...]:
-    """The stages that ``rank`` (this rank by default) holds: worker ``w`` is rank ``w``.
+def my_stages(schedule: Any, n_stages: int, rank: int | None = None, *, group: Any = None,
+              mesh: Any = None) -> tuple[int, ...]:
+    """The stages that ``rank`` (a global rank; this rank by default) holds: worker ``w`` is
+    the ``w``-th rank of the pipeline's process group (``group``, or ``mesh["pp"]``, as given
+    to :func:`pipeline`; by default the world, where worker ``w`` is rank ``w``).
 
     Build or load only these stages' parameters and pass them to :func:`pipeline`.
     """
     program = validate(program_of(schedule, n_stages))
     rank = dist.get_rank() if rank is None else rank
-    return tuple(s for s, worker in enumerate(program.placement) if worker == rank)
+    worker = rank
+    if group is not None or mesh is not None:
+        ranks = tuple(dist.get_process_group_ranks(mesh_groups(group, mesh, None)[0]))
+        if rank not in ranks:
+            return ()
+        worker = ranks.index(rank)
+    return tuple(s for s, w in enumerate(program.placement) if w == worker)
 
 
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
              loss_fn: Callable | None = None, device: torch.device | str | None = None,
              timeout: float = 60.0, state: Mapping[int, Any] | None = None,
              nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-             autodiff: str = "autograd", ties: Iterable | None = None) -> DistributedPipeline:
-    """Build this rank's part of a pipeline; every rank calls it with the same ``stages``,
-    ``schedule`` and ``loss_fn``.
+             autodiff: str = "autograd", group: Any = None, mesh: Any = None,
+             data_parallel: Any = None, grad_reduce: str | None = "mean",
+             bucket_mb: float = 25.0, ties: Iterable | None = None) -> DistributedPipeline:
+    """Build this rank's part of a pipeline; every rank of the pipeline calls it with the same
+    ``stages``, ``schedule`` and ``loss_fn`` (and, with data parallelism, every replica at
+    once).
 
     Args:
         stages: all the stage functions (functions are cheap; parameters are not).
@@ -107,6 +122,24 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             :class:`fpipe.NonFiniteLossError` on every rank).
         grad_dtype: as for :func:`fpipe.pipeline`.
         autodiff: as for :func:`fpipe.pipeline`.
+        group: the process group whose ranks are the pipeline's workers: worker ``w`` is its
+            ``w``-th rank (:attr:`DistributedPipeline.ranks`). By default the world.
+        mesh: instead of ``group`` and ``data_parallel``, a 2-D ``DeviceMesh`` with dimensions
+            named ``"dp"`` and ``"pp"`` (``init_device_mesh(device, (replicas, workers),
+            mesh_dim_names=("dp", "pp"))``): the pipeline runs on ``mesh["pp"]``, its
+            replicas are ``mesh["dp"]``.
+        data_parallel: the process group of this rank's replicas: the ranks that run the same
+            worker of the same pipeline on other shards of the global batch. Each replica
+            passes its own shard (shards may differ in size); every call then returns the mean
+            loss over the global batch, and ``value_and_grad`` (and ``vjp_fn``, whose
+            cotangent each replica gives for its shard's mean) the global batch's gradients.
+        grad_reduce: with ``data_parallel``, what happens to the gradients: ``"mean"`` (the
+            default) weights each replica's by its share of the global batch and all-reduces
+            them (sum), in buckets launched as soon as a stage's gradients are final on this
+            rank, overlapping the rest of the step; ``None`` returns each replica's own
+            gradients of its shard's mean, untouched, for a reduction of the caller's own
+            (``fully_shard``, gradient compression).
+        bucket_mb: the largest bucket of gradients reduced at once, in MiB (per dtype).
         ties: tied weights, as for :func:`fpipe.pipeline`: ties of ``(stage, name)`` pairs.
             Every rank passes the whole tie map (it holds some members); each member's
             gradient is the sum of all members', by ``all_reduce`` over a group of the ranks
@@ -114,7 +147,9 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
                                device=device, timeout=timeout, state=state, nonfinite=nonfinite,
-                               grad_dtype=grad_dtype, autodiff=autodiff, ties=ties)
+                               grad_dtype=grad_dtype, autodiff=autodiff, group=group,
+                               mesh=mesh, data_parallel=data_parallel, grad_reduce=grad_reduce,
+                               bucket_mb=bucket_mb, ties=ties)
 
 
 class DistributedPipeline:
@@ -127,19 +162,31 @@ class DistributedPipeline:
     (and the step's random seed) from the rank of stage 0.
 
     Calls are collective: every rank makes the same ones in the same order, from one thread (a
-    call while another is running raises ``RuntimeError``).
+    call while another is running raises ``RuntimeError``). With data parallelism, the loss and
+    gradients are the global batch's (see :func:`pipeline`'s ``data_parallel``).
+
+    Worker ``w`` of the program runs on the global rank ``ranks[w]``; this rank is
+    ``ranks[worker]``. ``close()`` (or the end of a ``with`` block) waits for every rank of the
+    pipeline and releases fpipe's process groups; calls after it raise ``RuntimeError``.
     """
 
     def __init__(self, stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
                  loss_fn: Callable | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, state: Mapping[int, Any] | None = None,
                  nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
-                 autodiff: str = "autograd", ties: Iterable | None = None) -> None:
+                 autodiff: str = "autograd", group: Any = None, mesh: Any = None,
+                 data_parallel: Any = None, grad_reduce: str | None = "mean",
+                 bucket_mb: float = 25.0, ties: Iterable | None = None) -> None:
         check_options(nonfinite, grad_dtype)
         self.nonfinite = nonfinite
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
                                "fpipe.distributed.init() (or torch.distributed.init_process_group)")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        group, data_parallel = mesh_groups(group, mesh, data_parallel)
+        #: The global rank of each worker: worker ``w`` runs on rank ``ranks[w]``.
+        self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
         self.stages = stages = list(stages)
         check_stages(stages)
         program = program_of(schedule, len(stages))
@@ -148,41 +195,46 @@ class DistributedPipeline:
         self.program, self.inference_program = program, program.forward_only()
         compiled(self._compiled, self.program, True, state is not None)
         compiled(self._compiled, self.inference_program, False, state is not None)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.ranks = tuple(range(world))  # worker w runs on global rank self.ranks[w]
-        if program.n_workers != world:
+        self.rank = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise PlacementError(f"rank {self.rank} is not in the pipeline's process group "
+                                 f"(ranks {list(self.ranks)})")
+        if program.n_workers != len(self.ranks):
             raise PlacementError(f"the program has {program.n_workers} workers but the process "
-                                 f"group has {world} ranks: run one rank per worker")
-        self.stages_held = tuple(s for s, w in enumerate(program.placement) if w == self.rank)
+                                 f"group has {len(self.ranks)} ranks: run one rank per worker")
+        #: This rank's worker of the program (its index in :attr:`ranks`).
+        self.worker = self.ranks.index(self.rank)
+        self.stages_held = tuple(s for s, w in enumerate(program.placement) if w == self.worker)
         if set(params) != set(self.stages_held):
             raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
                                  f"got parameters for stages {sorted(params)}")
         self.params = {s: params[s] for s in self.stages_held}
-        self.device = self._device(device)
+        self.device = held_device(self.params, device, self.rank)
         check_params(self.params, {s: self.device for s in self.stages_held})
         self.param_specs = {s: optree.tree_structure(p) for s, p in self.params.items()}
+        self.held = Held(self.rank, self.stages_held, self.device, self.param_specs, len(stages))
         self.loss_fn = loss_fn
         self.timeout = timeout
         self.state = None
         if state is not None:
-            if set(state) != set(self.stages_held):
-                raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} "
-                                     f"but got state for stages {sorted(state)}")
+            self.held.check_state(state, PlacementError)
             self.state = {s: state[s] for s in self.stages_held}
-            check_state(self.state, {s: self.device for s in self.stages_held})
         self.interpreter = Interpreter(
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False)  # one thread a rank: every draw seeded
-        self.driver = RankDriver(self.rank, program, self.interpreter, self.device, timeout,
-                                 self._compiled)
+        DataParallel.check_options(grad_reduce, bucket_mb)
+        replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
+        self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
+                                 self._compiled, replicas)
         self.group, self.wire = self.driver.group, self.driver.wire
+        self.data_parallel = None if data_parallel is None else self._replicas(
+            replicas, grad_reduce, bucket_mb)
+        self._calls = Calls(self.driver.faults)
         # Collective: every rank checks the tie map and makes the tie groups alike.
         self._ties = TieGroups(ties, self.params, program.placement, self.ranks, self.rank,
                                self.device, self.wire, grad_dtype, timeout, self.driver.faults)
-        self._running = threading.Lock()
-        self._pending: object | None = None  # the step a vjp began, until its vjp_fn runs
 
     @property
     def chunks(self) -> int:
@@ -197,8 +249,8 @@ class DistributedPipeline:
                  state: Mapping[int, Any] | None = None, record: Recorder | None = None) -> Any:
         """The output on the last stage's rank (``None`` elsewhere); with state, also this
         rank's new ``{stage: state}``. ``record`` receives this rank's timeline."""
-        step, _ = self._step(self.inference_program, False, x, None, params, state, record)
-        y = microbatch.join(step.outputs) if self.rank == self.program.placement[-1] else None
+        step, _, _ = self._step(self.inference_program, False, x, None, params, state, record)
+        y = microbatch.join(step.outputs) if self.worker == self.program.placement[-1] else None
         return (y, self._held_state(step)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
@@ -210,45 +262,53 @@ class DistributedPipeline:
         ``record`` receives this rank's timeline."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        step, (loss, parts) = self._step(self.program, True, x, target, params, state, record)
-        # Every rank has each micro-batch's loss, so every rank refuses a non-finite one; the
-        # step itself ended in lockstep, so the pipeline stays usable.
-        error = nonfinite_error(parts) if self.nonfinite == "raise" else None
-        if error is not None:
-            raise error
-        grads = self._grads(step)
+        step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
+                                                  record)
+        grads = self._grads(step, replica)
+        if replica is not None:
+            loss = self.driver.faults.guarded(
+                lambda: self.data_parallel.loss(loss, replica.share, self.driver.faults))
+        # Every rank has each micro-batch's loss (and the global loss), so every rank refuses
+        # a non-finite one; the step itself ended in lockstep, so the pipeline stays usable.
+        if self.nonfinite == "raise":
+            error = nonfinite_error(parts)
+            if error is None and replica is not None and not bool(torch.isfinite(loss)):
+                error = NonFiniteLossError(
+                    "the loss is not finite on another data-parallel replica; no gradient was "
+                    "returned. Build the pipeline with nonfinite='ignore' to handle this "
+                    "yourself", [])
+            if error is not None:
+                raise error
         loss = returned_loss(loss)
         return (loss, grads, self._held_state(step)) if self.stateful else (loss, grads)
-
-    def _grads(self, step: Step) -> dict:
-        """A step's gradients, reduced (tied leaves summed across stages and ranks: a
-        collective), as ``{stage: pytree}``. The one place where a step's gradients are
-        post-processed."""
-        grads = self.driver.faults.guarded(lambda: self._ties(step.grads.out()))
-        return {s: optree.tree_unflatten(self.param_specs[s], grads[s])
-                for s in self.stages_held}
 
     def _held_state(self, step: Step) -> dict:
         return {s: step.state[s] for s in self.stages_held}
 
-    def _states(self, state: Mapping[int, Any] | None) -> list:
-        """Per stage of the whole pipeline, the state this rank passes (``None`` for others)."""
-        if not self.stateful:
-            if state is not None:
-                raise ValueError("this pipeline has no state: build it with state=... to pass "
-                                 "state to its stages")
-            return [None] * self.program.n_stages
-        if state is None:
-            state = self.state
-        elif set(state) != set(self.stages_held):
-            raise ValueError(f"rank {self.rank} holds stages {list(self.stages_held)} but got "
-                             f"state for stages {sorted(state)}")
-        else:
-            check_state(state, {s: self.device for s in self.stages_held})
-        return [state.get(s) for s in range(self.program.n_stages)]
+    def close(self) -> None:
+        """Collective: wait until every rank of the pipeline (and of its data-parallel group)
+        has come here, so none tears down a connection another still reads from, then release
+        fpipe's process groups. Later calls raise; ``dist.destroy_process_group()`` is safe
+        right after. A ``with`` block closes the pipeline at its end; closing twice does
+        nothing more. After a failure, the groups are released without waiting."""
+        self._calls.close(self._release)
+
+    def _release(self) -> None:
+        if self.data_parallel is not None:
+            self.driver.faults.wait(
+                dist.barrier(group=self.data_parallel.group, async_op=True),
+                "its data-parallel replicas to close the pipeline", self.data_parallel.peer)
+        self.driver.close()
+
+    def __enter__(self) -> DistributedPipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
-        return (f"DistributedPipeline(rank {self.rank} of {self.program.n_workers}, stages "
+        return (f"DistributedPipeline(rank {self.rank}, worker {self.worker} of "
+                f"{self.program.n_workers}, stages "
                 f"{list(self.stages_held)} on {self.device}, schedule={self.program!r})")
 
     # -- one step ------------------------------------------------------------------------------
@@ -264,76 +324,89 @@ class DistributedPipeline:
         this rank's stages and ``x_grad`` the input's gradient on the rank of stage 0
         (``None`` elsewhere). The schedule must run every worker's forwards first (``gpipe``):
         the forwards run now, the rest in ``vjp_fn``, and until then the pipeline runs nothing
-        else. A stateful pipeline returns ``(y, vjp_fn, new_state)``."""
+        else. A stateful pipeline returns ``(y, vjp_fn, new_state)``.
+
+        With data parallelism, each replica passes the cotangent of its own shard's mean loss;
+        ``grads`` are then the global batch's (weighted by the replicas' shares and summed, as
+        in :meth:`value_and_grad`), and ``x_grad`` is this shard's input gradient for the
+        cotangent as given."""
         plan = self.driver.plan(self.program, True, self.stateful)
         check_turn(plan)
-        with self._alone():
-            step, channel = self._begin(self.program, 2, x, None, params, state, None)
+        with self._calls.alone():
+            step, channel, replica = self._begin(self.program, 2, x, None, params, state,
+                                                 None)
             with self._seeded(step):
                 self.driver.faults.guarded(
-                    lambda: self.driver.run(step, before_turn(plan[self.rank]), channel))
-        pending = self._pending = object()
-        last = self.rank == self.program.placement[-1]
+                    lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
+        pending = self._calls.pending = object()
+        last = self.worker == self.program.placement[-1]
 
         def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
-            with self._alone(pending):
-                self._pending = None
-                self.driver.faults.guarded(lambda: self._backward(step, channel, plan, cotangent))
-            grads = self._grads(step)
-            first = self.rank == self.program.placement[0]
+            with self._calls.alone(pending):
+                self._calls.pending = None
+                self.driver.faults.guarded(
+                    lambda: self._backward(step, channel, plan, cotangent, replica))
+                grads = self._grads(step, replica)
+            first = self.worker == self.program.placement[0]
             return grads, input_grads(step.inputs, step.ends.grads) if first else None
 
         y = microbatch.join([out.tree() for out in step.outputs]) if last else None
         return (y, vjp_fn, self._held_state(step)) if self.stateful else (y, vjp_fn)
 
-    def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any) -> None:
+    def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any,
+                  replica: _Replica | None) -> None:
         """The second call of a :meth:`vjp` step: everything after the forwards."""
-        if self.rank == self.program.placement[-1]:
+        if self.worker == self.program.placement[-1]:
             if cotangent is None:
                 raise ValueError(f"rank {self.rank} holds the last stage, so vjp_fn needs the "
                                  f"output's cotangent")
-            pieces = microbatch.split(_to(cotangent, self.device), self.chunks, "cotangent")
+            pieces = microbatch.split(to(cotangent, self.device), self.chunks, "cotangent")
             step.ends.cotangents = [output_cotangent(out, piece, m)
                                     for m, (out, piece) in enumerate(zip(step.outputs,
                                                                          pieces))]
         with self._seeded(step):
-            self.driver.run(step, after_turn(plan[self.rank]), channel)
+            self.driver.run(step, after_turn(plan[self.worker]), channel,
+                            None if replica is None else replica.reduce)
         self.driver.finish(step, channel, False)
 
-    @contextlib.contextmanager
-    def _alone(self, pending: object | None = None) -> Iterator[None]:
-        """Hold the pipeline for one call: a second thread's call while one runs is refused
-        rather than queued, since nothing could make two threads' calls reach every rank in
-        one order; so is any call but its ``vjp_fn`` while a vjp step is half done."""
-        if not self._running.acquire(blocking=False):
-            raise RuntimeError("this distributed pipeline is already running a step on another "
-                               "thread; its calls are collective, so make them from one thread, "
-                               "in the same order on every rank")
-        try:
-            if self.driver.faults.broken is not None:
-                raise RuntimeError("this distributed pipeline stopped after a failure and "
-                                   "cannot run again; restart the job") \
-                    from self.driver.faults.broken
-            if self._pending is not pending:
-                raise RuntimeError("this vjp function was called already: a pipeline step "
-                                   "runs its backward once" if pending is not None else
-                                   "a step begun by vjp() is waiting for its vjp_fn: call it "
-                                   "(on every rank) before anything else")
-            yield
-        finally:
-            self._running.release()
+    # -- a step's gradients --------------------------------------------------------------------
+
+    def _grads(self, step: Step, replica: _Replica | None) -> dict:
+        """``{stage: grads}`` of this rank's stages: the step's sums, then their reductions,
+        in this one place: data parallel (launched during the step, waited for here), then tied
+        leaves summed across stages and ranks (a collective). Both are sums, so the order does
+        not change the result."""
+        grads = step.grads.out()
+        if replica is not None and replica.reduce is not None:
+            grads = self.driver.faults.guarded(lambda: replica.reduce.apply(grads, step.grads))
+        grads = self.driver.faults.guarded(lambda: self._ties(grads))
+        return {s: optree.tree_unflatten(self.param_specs[s], grads[s])
+                for s in self.stages_held}
+
+    def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None,
+                  bucket_mb: float) -> DataParallel:
+        """The data-parallel reduction over fpipe's group on ``ranks``, checked to run this
+        worker of the same program on every replica."""
+        dp = DataParallel(self.driver.dp_group, ranks, grad_reduce,
+                          max(1, int(bucket_mb * 2**20)), self.wire)
+        self.driver.faults.guarded(lambda: dp.check_alike(
+            self.driver.faults, self.worker,
+            (self.program.n_workers, self.program.n_stages, self.chunks)))
+        return dp
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None) -> tuple[Step, tuple | None]:
+              record: Recorder | None) -> tuple[Step, tuple | None, _Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
-        with self._alone():
-            step, channel = self._begin(program, int(training), x, target, params, state,
-                                        record)
+        with self._calls.alone():
+            step, channel, replica = self._begin(program, int(training), x, target, params,
+                                                 state, record)
             plan = self.driver.plan(program, training, self.stateful)
+            reduce = None if replica is None else replica.reduce
             with self._seeded(step):
                 return step, self.driver.faults.guarded(
-                    lambda: self.driver.run_all(step, plan[self.rank], channel, training))
+                    lambda: self.driver.run_all(step, plan[self.worker], channel, training,
+                                                reduce)), replica
 
     @contextlib.contextmanager
     def _seeded(self, step: Step) -> Iterator[None]:
@@ -346,11 +419,14 @@ class DistributedPipeline:
 
     def _begin(self, program: Program, call: int, x: Any, target: Any,
                params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-               record: Recorder | None) -> tuple[Step, Any]:
-        """A new step, agreed with every rank (the header), and its channel."""
-        leaves = self._param_leaves(params)
-        states = self._states(state)
+               record: Recorder | None) -> tuple[Step, Any, _Replica | None]:
+        """A new step, agreed with every rank (the header), its channel, and with data
+        parallelism in training, this replica's share of the global batch and its reduction."""
+        leaves = self.held.param_leaves(params, self.params)
+        states = self.held.states(state, self.state)
         training = call > 0
+        if training:
+            check_training()
         self.driver.calls += 1
         seed = StepSeed([self.device])
         try:
@@ -358,11 +434,17 @@ class DistributedPipeline:
                 lambda: self.driver.header(x, seed.seed, call))
         finally:
             seed.restore()
-        if n < self.chunks:  # every rank knows n, so every rank raises this by itself
-            raise BatchError(f"the input batch has {n} samples, fewer than chunks="
-                             f"{self.chunks}: every micro-batch needs at least one sample")
-        return self.driver.faults.guarded(lambda: self._new_step(
+        replica = None
+        if self.data_parallel is not None and training:
+            # Every replica learns the global batch; a shard too small stops them all.
+            total = self.data_parallel.total(n, self.chunks, self.driver.faults)
+            replica = _Replica(n / total, self.data_parallel.step(
+                n / total, self.driver.faults, self.stages_held))
+        else:  # every rank knows n, so every rank raises this by itself
+            microbatch.check_size(n, self.chunks)
+        step, channel = self.driver.faults.guarded(lambda: self._new_step(
             program, training, call == 2, leaves, states, x, target, n, seed_value, record))
+        return step, channel, replica
 
     def _new_step(self, program: Program, training: bool, open_ended: bool, params: list,
                   states: list, x: Any, target: Any, n: int, seed: int,
@@ -370,13 +452,13 @@ class DistributedPipeline:
         owners, last = program.placement, len(params) - 1
         sizes = microbatch.sizes(n, self.chunks)
         inputs = targets = None
-        if self.rank == owners[0]:
-            inputs = [flatten(mb) for mb in microbatch.split(_to(x, self.device), self.chunks)]
-        if self.rank == owners[last] and training and not open_ended and target is not None:
+        if self.worker == owners[0]:
+            inputs = [flatten(mb) for mb in microbatch.split(to(x, self.device), self.chunks)]
+        if self.worker == owners[last] and training and not open_ended and target is not None:
             m = microbatch.batch_size(target, "target")
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
-            targets = microbatch.split(_to(target, self.device), self.chunks, "target")
+            targets = microbatch.split(to(target, self.device), self.chunks, "target")
         clock = None if record is None else record.clock(
             owners, program.n_workers, [self.device] * program.n_stages)
         weights = [1.0] * len(sizes) if open_ended else [size / n for size in sizes]
@@ -385,34 +467,9 @@ class DistributedPipeline:
         plan = self.driver.plan(program, training, self.stateful)
         return step, self.driver.channel(program, training, plan)
 
-    # -- parameters ----------------------------------------------------------------------------
+class _Replica(NamedTuple):
+    """A data-parallel training step's part: this replica's share of the global batch and
+    the reduction of its gradients (``None`` with ``grad_reduce=None``)."""
 
-    def _device(self, device: torch.device | str | None) -> torch.device:
-        found = set(stage_devices(self.params, None)) if self.params else set()
-        if device is not None:
-            found.add(torch.device(device))
-        if len(found) > 1:
-            raise PlacementError(f"rank {self.rank} runs on one device, but its stages' "
-                                 f"parameters and device= name {sorted(map(str, found))}")
-        return found.pop() if found else torch.device("cpu")
-
-    def _param_leaves(self, params: Mapping[int, Any] | None) -> list:
-        if params is None:
-            params = self.params
-        else:
-            if set(params) != set(self.stages_held):
-                raise ValueError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
-                                 f"got parameters for stages {sorted(params)}")
-            for s in self.stages_held:
-                if optree.tree_structure(params[s]) != self.param_specs[s]:
-                    raise ValueError(f"params[{s}] has structure "
-                                     f"{optree.tree_structure(params[s])}, but the pipeline was "
-                                     f"built with {self.param_specs[s]}")
-            check_params(params, {s: self.device for s in self.stages_held})
-        return [[leaf.detach() for leaf in optree.tree_leaves(params[s])] if s in params
-                else None for s in range(self.program.n_stages)]
-
-
-def _to(tree: Any, device: torch.device) -> Any:
-    return optree.tree_map(
-        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, tree)
+    share: float
+    reduce: GradReduce | None

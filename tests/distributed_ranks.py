@@ -8,6 +8,7 @@ checks against the single-process driver and whole-batch ``torch.func``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import pickle
 import threading
@@ -72,13 +73,27 @@ def _main(scenario: str, rank: int, world: int, port: int, queue, backend: str,
         torch.cuda.set_device(rank)
         if bind_device:
             options["device_id"] = torch.device("cuda", rank)
+    global STORE
+    STORE = store
     dist.init_process_group(backend, rank=rank, world_size=world, store=store, **options)
     try:
-        result = SCENARIOS[scenario](rank, world)
+        result = _scenario(scenario)(rank, world)
     except BaseException:
         result = {"crash": traceback.format_exc()}
     queue.put((rank, pickle.dumps(result)))
     dist.destroy_process_group()  # every group, before the interpreter's teardown
+
+
+#: This rank's store (the parent's), for scenarios that join a new default group.
+STORE = None
+
+
+def _scenario(name: str):
+    """A scenario of this module by name, or ``"module:function"`` of another test module."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 # -- models --------------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ SCRIPT = re.compile(r"# ([\w-]+\.py)$")
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
 NEEDS = {"docs/quickstart-hf.md": "transformers"}  # page: the extra's package its blocks import
 # The blocks that do not run, per page, each with its reason in its first line.
-SKIPPED = {"README.md": 2, "docs/gpu-checklist.md": 2, "docs/index.md": 1,
-           "docs/quickstart-hf.md": 1}
+SKIPPED = {"README.md": 2, "docs/distributed.md": 1, "docs/gpu-checklist.md": 2,
+           "docs/index.md": 1, "docs/quickstart-hf.md": 1}
 
 
 @dataclass(frozen=True)

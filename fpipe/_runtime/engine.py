@@ -14,7 +14,7 @@ import torch
 
 from fpipe.errors import NonFiniteLossError
 
-__all__ = ["check_options", "check_stages", "nonfinite_error", "returned_loss",
+__all__ = ["check_options", "check_stages", "check_training", "nonfinite_error", "returned_loss",
            "output_cotangent", "input_grads"]
 
 NONFINITE = ("raise", "ignore")
@@ -32,6 +32,8 @@ def check_stages(stages: Sequence[Any]) -> None:
     """Every stage is a function ``stage(params, x)``; an ``nn.Module`` (whose parameters would
     be neither trained nor returned) is refused, pointing to the adapter that makes stages of
     modules."""
+    if not stages:
+        raise ValueError("a pipeline needs at least one stage; got an empty list of stages")
     for s, stage in enumerate(stages):
         module = getattr(stage, "_orig_mod", stage)  # what torch.compile(module) wraps
         if isinstance(module, torch.nn.Module) and not _takes_params(module):
@@ -44,6 +46,15 @@ def check_stages(stages: Sequence[Any]) -> None:
         if not callable(stage):
             raise TypeError(f"stage {s} is a {type(stage).__name__}, not a callable "
                             f"stage(params, x) -> y")
+
+
+def check_training() -> None:
+    """A training step refused under ``torch.inference_mode()``, whose tensors take no part
+    in autograd, before anything runs."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("a training step cannot run under torch.inference_mode(): "
+                           "tensors made there take no part in autograd; call pipe(x) "
+                           "for a forward-only step")
 
 
 def _takes_params(module: torch.nn.Module) -> bool:

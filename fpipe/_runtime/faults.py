@@ -30,11 +30,13 @@ class RankFaults:
     groups aborted on failure (fpipe's own, never the caller's), and ``broken``, the failure
     that stopped the pipeline (``None`` while it runs)."""
 
-    def __init__(self, rank: int, timeout: float) -> None:
+    def __init__(self, rank: int, timeout: float, ranks: tuple[int, ...] = ()) -> None:
         self.rank = rank
         self.timeout = timeout
         self.store = dist.distributed_c10d._get_default_store()
-        self.key = f"fpipe/pipeline{next(_created)}/failure"
+        # Named by the pipeline's ranks too: replicas' pipelines share the store.
+        members = "-".join(map(str, ranks))
+        self.key = f"fpipe/pipeline{next(_created)}/{members}/failure"
         self.groups: list[Any] = []
         self.broken: BaseException | None = None
 

@@ -17,7 +17,7 @@ import torch
 from fpipe._runtime.trees import tree_flatten, tree_flatten_with_path
 from fpipe.errors import BatchError
 
-__all__ = ["batch_size", "split", "join", "sizes"]
+__all__ = ["batch_size", "check_size", "split", "join", "sizes"]
 
 
 def _is_batched(leaf: Any) -> bool:
@@ -52,9 +52,9 @@ def sizes(n: int, chunks: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(chunks)]
 
 
-def split(tree: Any, chunks: int, what: str = "input") -> list[Any]:
-    """``chunks`` micro-batches of ``tree``; a batch smaller than ``chunks`` is an error."""
-    n = batch_size(tree, what)
+def check_size(n: int, chunks: int, what: str = "input") -> None:
+    """A batch of ``n`` samples refused when some of ``chunks`` micro-batches would be empty
+    (both faces raise this, for the whole batch or a data-parallel replica's shard)."""
     if n == 0:
         raise BatchError(f"the {what} batch is empty: its tensors have 0 samples on dim 0")
     if n < chunks:
@@ -62,6 +62,12 @@ def split(tree: Any, chunks: int, what: str = "input") -> list[Any]:
             f"the {what} batch has {n} samples, fewer than chunks={chunks}: every micro-batch "
             f"needs at least one sample (use chunks <= {n}, or a larger batch)"
         )
+
+
+def split(tree: Any, chunks: int, what: str = "input") -> list[Any]:
+    """``chunks`` micro-batches of ``tree``; a batch smaller than ``chunks`` is an error."""
+    n = batch_size(tree, what)
+    check_size(n, chunks, what)
     leaves, spec = tree_flatten(tree)
     pieces = [
         torch.tensor_split(leaf, chunks) if _is_batched(leaf) else None for leaf in leaves

@@ -38,11 +38,12 @@ when the pipeline is built, one pair after another in the same order on every ra
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ from fpipe._runtime.workers import Aborted
 from fpipe.errors import PeerError, StageError
 from fpipe.schedules.actions import Op
 
-__all__ = ["make_links", "send_orders", "RankChannel", "describe_key", "DEPTH"]
+__all__ = ["Groups", "make_groups", "send_orders", "RankChannel", "describe_key", "DEPTH"]
 
 #: Receives kept posted ahead on each incoming link.
 DEPTH = 4
@@ -62,24 +63,59 @@ _ALIGN = 64
 SAME, META, GROWN = 0, 1, 2  # the message holds: the leaves; the meta, then the leaves; nothing
 
 
-def make_links(rank: int, pairs: set[tuple[int, int]], backend: str, timeout: float,
-               wire: torch.device) -> dict[tuple[int, int], tuple[Any, Any]]:
-    """``{(src, dst): (values, grown)}``, two groups for each direction of every pair of ranks
-    in ``pairs`` that this rank belongs to: ``values`` carries one message per value, ``grown``
-    only the values larger than announced. Every rank calls this alike, as ``new_group``
-    needs, and connects its groups in the same order."""
-    ordered = sorted({p for a, b in pairs if a != b for p in ((a, b), (b, a))})
+class Groups(NamedTuple):
+    """fpipe's own process groups on this rank: the pipeline's, the links to its peers
+    (``{(src worker, dst worker): (values, grown)}``) and the data-parallel one (or ``None``)."""
+
+    pipeline: Any
+    links: dict
+    data_parallel: Any
+
+
+def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Sequence[int] | None,
+                backend: str, timeout: float, wire: torch.device) -> Groups:
+    """This rank's groups: over its pipeline's ``ranks`` (worker ``w`` is ``ranks[w]``), two per
+    direction of each pair of workers in ``pairs`` (``values`` carries one message per value,
+    ``grown`` only the values larger than announced), and over its data-parallel ``replicas``.
+
+    ``new_group`` must be called by every rank of the world in the same order, so every rank
+    first learns what every other needs (one ``all_gather_object`` over the world), then all
+    make every pipeline's groups in one sorted order: replicas building their pipelines at once
+    can neither wait on each other's groups nor pair with the wrong ones. Then this rank
+    connects its links."""
+    me = dist.get_rank()
+    needs = tuple(sorted({(ranks[a], ranks[b]) for x, y in pairs if x != y
+                          for a, b in ((x, y), (y, x))}))
+    mine = (tuple(ranks), needs, None if replicas is None else tuple(sorted(replicas)))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    pipelines = sorted({theirs[0] for theirs in everyone})
+    for a, b in itertools.combinations(pipelines, 2):
+        if set(a) & set(b):
+            raise ValueError(f"two pipelines share ranks {sorted(set(a) & set(b))}: their "
+                             f"groups are {list(a)} and {list(b)}; a rank runs one worker of "
+                             f"one pipeline")
+    options = {"backend": backend, "timeout": timedelta(seconds=timeout)}
+    own = dp = None
+    for group_ranks in pipelines:
+        group = dist.new_group(list(group_ranks), **options)
+        if group_ranks == mine[0]:
+            own = group
     links = {}
-    for src, dst in ordered:
-        groups = tuple(dist.new_group([src, dst], backend=backend,
-                                      timeout=timedelta(seconds=timeout)) for _ in range(2))
-        if rank in (src, dst):
-            links[src, dst] = groups
-    _connect(rank, links, timeout, wire)
-    return links
+    for a, b in sorted({pair for theirs in everyone for pair in theirs[1]}):
+        groups = tuple(dist.new_group([a, b], **options) for _ in range(2))
+        if me in (a, b):
+            links[ranks.index(a), ranks.index(b)] = groups
+    for group_ranks in sorted({theirs[2] for theirs in everyone if theirs[2] is not None}):
+        group = dist.new_group(list(group_ranks), **options)
+        if group_ranks == mine[2]:
+            dp = group
+    _connect(ranks.index(me), links, ranks, timeout, wire)
+    return Groups(own, links, dp)
 
 
-def _connect(rank: int, links: dict, timeout: float, wire: torch.device) -> None:
+def _connect(rank: int, links: dict, ranks: Sequence[int], timeout: float,
+             wire: torch.device) -> None:
     """One small message over each group, in the same order on every rank: a communicator
     NCCL creates lazily blocks both hosts until both join, which mid-step could wait on a
     value the other rank has yet to compute. In this order, the first unconnected pair
@@ -90,10 +126,10 @@ def _connect(rank: int, links: dict, timeout: float, wire: torch.device) -> None
         post = dist.isend if src == rank else dist.irecv
         for group in links[src, dst]:
             try:
-                post(token, peer, group=group).wait(timedelta(seconds=timeout))
+                post(token, ranks[peer], group=group).wait(timedelta(seconds=timeout))
             except Exception as exc:
-                raise PeerError(f"rank {rank} could not reach rank {peer} while building "
-                                f"the pipeline: {exc}", peer) from exc
+                raise PeerError(f"rank {ranks[rank]} could not reach rank {ranks[peer]} while "
+                                f"building the pipeline: {exc}", ranks[peer]) from exc
 
 
 def send_orders(plan: tuple, owners: Sequence[int], stashes: Sequence[tuple[str, ...]],
@@ -134,11 +170,15 @@ class _Known:
 class RankChannel:
     """This rank's messages for one step (see the module's docstring): sends posted at once and
     completed by :meth:`flush`; receives posted ahead, read in each link's order, keeping values
-    that came early. ``known`` is the pipeline's ``{key: _Known}``, kept from step to step."""
+    that came early. ``known`` is the pipeline's ``{key: _Known}``, kept from step to step.
+    ``rank`` and ``owners`` are workers; ``ranks[w]`` is worker ``w``'s global rank, which the
+    messages name and ``torch.distributed`` is given."""
 
     def __init__(self, rank: int, owners: Sequence[int], orders: dict, links: dict,
-                 faults: RankFaults, wire: torch.device, known: dict) -> None:
+                 faults: RankFaults, wire: torch.device, known: dict,
+                 ranks: Sequence[int]) -> None:
         self.rank, self.owners, self.links, self.faults = rank, owners, links, faults
+        self.ranks = ranks
         self.wire, self.known = wire, known
         self.arrived: dict[tuple, Any] = {}
         self.sending: list[tuple[Any, torch.Tensor, int, tuple]] = []
@@ -191,8 +231,9 @@ class RankChannel:
 
     def _isend(self, message: torch.Tensor, dst: int, group: Any, key: tuple) -> None:
         try:
-            work = dist.isend(message, dst, group=group)
+            work = dist.isend(message, self.ranks[dst], group=group)
         except Exception as exc:  # the connection to ``dst`` is gone
+            dst = self.ranks[dst]
             self.faults.failure_from(dst, f"rank {dst} to take {describe_key(key)}",
                                      _stage(key), key[2], exc)
             raise Aborted from None
@@ -201,6 +242,7 @@ class RankChannel:
     def flush(self) -> None:
         """Complete every send of the step (their receivers have them by now or soon)."""
         for work, _, dst, key in self.sending:
+            dst = self.ranks[dst]
             self.faults.wait(work, f"rank {dst} to take {describe_key(key)}", dst, _stage(key),
                              key[2])
         self.sending.clear()
@@ -229,13 +271,15 @@ class RankChannel:
 
     def _irecv(self, buffer: torch.Tensor, src: int, which: int, key: tuple) -> Any:
         try:
-            return dist.irecv(buffer, src, group=self.links[src, self.rank][which])
+            return dist.irecv(buffer, self.ranks[src], group=self.links[src, self.rank][which])
         except Exception as exc:  # the connection to ``src`` is gone
+            src = self.ranks[src]
             self.faults.failure_from(src, f"{describe_key(key)} from rank {src}", _stage(key),
                                      key[2], exc)
             raise Aborted from None
 
     def _wait(self, work: Any, src: int, key: tuple, awaited: tuple) -> None:
+        src = self.ranks[src]
         try:
             self.faults.wait(work, describe_key(awaited) + f" from rank {src}", src,
                              _stage(awaited), awaited[2])
@@ -248,7 +292,8 @@ class RankChannel:
         flag, sent_at, blob, following, end = buffer[:40].view(torch.int64).tolist()
         if sent_at != position:
             raise RuntimeError(f"fpipe's ranks disagree on the order of their messages: rank "
-                               f"{self.rank} expected message {position} from rank {src} "
+                               f"{self.ranks[self.rank]} expected message {position} from "
+                               f"rank {self.ranks[src]} "
                                f"({describe_key(key)}) but got message {sent_at}")
         if flag == GROWN:
             buffer = torch.empty(end, dtype=torch.uint8, device=self.wire)

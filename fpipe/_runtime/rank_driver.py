@@ -6,17 +6,17 @@ stage 0, this rank's actions, the loss broadcast from the rank of the last stage
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
+from fpipe._runtime.data_parallel import GradReduce
 from fpipe._runtime.faults import RankFaults, at_rank
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
-from fpipe._runtime.p2p import RankChannel, make_links, send_orders
+from fpipe._runtime.p2p import RankChannel, make_groups, send_orders
 from fpipe._runtime.step import Step
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program
@@ -35,24 +35,33 @@ def backend_for(device: torch.device | str) -> str:
 
 
 class RankDriver:
-    """This rank's worker of ``program``: its groups, links and failure state, built by every
-    rank alike (collectively) when the pipeline is."""
+    """This rank's worker of ``program``: its groups, links and failure state, built by the
+    pipeline's ranks alike (collectively) when the pipeline is.
 
-    def __init__(self, rank: int, program: Program, interpreter: Interpreter,
-                 device: torch.device, timeout: float, plans: dict) -> None:
-        self.rank, self.program, self.interpreter = rank, program, interpreter
+    ``rank`` is this rank's worker (its index in ``ranks``, the global rank of each worker);
+    everything a step does is in workers, and only messages and ``torch.distributed`` calls
+    name global ranks."""
+
+    def __init__(self, ranks: tuple[int, ...], program: Program, interpreter: Interpreter,
+                 device: torch.device, timeout: float, plans: dict,
+                 replicas: tuple[int, ...] | None = None) -> None:
+        self.ranks = ranks
+        self.rank = ranks.index(dist.get_rank())
+        self.program, self.interpreter = program, interpreter
         self.device = device
-        backend = backend_for(device)
+        self.backend = backend = backend_for(device)
         # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
         self.wire = device if backend == "nccl" else torch.device("cpu")
-        # fpipe's own groups: aborting them on failure leaves the caller's group to the caller.
-        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout))
-        self.faults = RankFaults(rank, timeout)
+        self.faults = RankFaults(ranks[self.rank], timeout, ranks)
         owners = program.placement
         pairs = {(owners[s - 1], owners[s]) for s in range(1, program.n_stages)}
         pairs |= {(owners[a], owners[b]) for a, b in interpreter.routes.values()}
-        self.links = make_links(rank, pairs, backend, timeout, self.wire)
+        # fpipe's own groups: aborting them on failure leaves the caller's group to the caller.
+        self.group, self.links, self.dp_group = make_groups(ranks, pairs, replicas, backend,
+                                                            timeout, self.wire)
         self.faults.groups = [self.group, *(g for pair in self.links.values() for g in pair)]
+        if self.dp_group is not None:
+            self.faults.groups.append(self.dp_group)
         self.calls = 0
         self._compiled = plans  # (program, training) -> compiled plan
         self._orders: dict = {}  # per program run: each link's keys in the order sent
@@ -73,13 +82,15 @@ class RankDriver:
             if x is None:
                 raise BatchError(f"rank {self.rank} holds stage 0, so it needs the input x")
             header[:] = torch.tensor([microbatch.batch_size(x, "input"), seed, *mine])
+        first = self.ranks[first]
         self.faults.wait(dist.broadcast(header, first, group=self.group, async_op=True),
                          f"the batch size from rank {first}", first)
         n, seed, *theirs = header.tolist()
         if tuple(theirs) != mine:
-            raise RuntimeError(f"rank {self.rank} was called for {_call_name(*mine)} but rank "
-                               f"{first} for {_call_name(*theirs)}: every rank must make the "
-                               f"same calls in the same order")
+            raise RuntimeError(f"rank {self.ranks[self.rank]} was called for "
+                               f"{_call_name(*mine)} but rank {first} for "
+                               f"{_call_name(*theirs)}: every rank must make the same calls "
+                               f"in the same order")
         return n, seed
 
     def channel(self, program: Program, training: bool, plan: tuple) -> RankChannel:
@@ -90,22 +101,43 @@ class RankDriver:
                 plan, program.placement, self.interpreter.stashes, self.interpreter.pops,
                 self.interpreter.routes)
         return RankChannel(self.rank, program.placement, orders, self.links, self.faults,
-                           self.wire, self._known)
+                           self.wire, self._known, self.ranks)
 
-    def run(self, step: Step, actions: tuple, channel: RankChannel) -> None:
+    def run(self, step: Step, actions: tuple, channel: RankChannel,
+            reduce: GradReduce | None = None) -> None:
         """Run ``actions`` (this rank's, or a part of them); a failure here or on another rank
-        raises (every rank is then stopped by the caller's :meth:`RankFaults.guarded`)."""
+        raises (every rank is then stopped by the caller's :meth:`RankFaults.guarded`). With
+        ``reduce``, each stage's gradients are handed to it right after the action that made
+        them final, so their reduction overlaps the actions after it."""
+        start = 0
+        for end, stages in ([] if reduce is None else reduce.cuts(actions)):
+            self._run(step, actions[start:end], channel)
+            for stage in stages:
+                reduce.launch(stage, step.grads)
+            start = end
+        self._run(step, actions[start:], channel)
+
+    def _run(self, step: Step, actions: tuple, channel: RankChannel) -> None:
         self.interpreter.run(step, actions, channel)
         if self.faults.broken is not None:  # another rank failed while this one waited
             raise self.faults.broken
         if step.error is not None:
-            raise at_rank(step.error, self.rank)
+            raise at_rank(step.error, self.ranks[self.rank])
 
-    def run_all(self, step: Step, actions: tuple, channel: RankChannel,
-                training: bool) -> tuple | None:
+    def run_all(self, step: Step, actions: tuple, channel: RankChannel, training: bool,
+                reduce: GradReduce | None = None) -> tuple | None:
         """:meth:`run` then :meth:`finish`: a whole step."""
-        self.run(step, actions, channel)
+        self.run(step, actions, channel, reduce)
         return self.finish(step, channel, training)
+
+    def close(self) -> None:
+        """Wait until every rank of the pipeline is here (so none tears its groups down while
+        another still reads from them), then release fpipe's groups."""
+        self.faults.wait(dist.barrier(group=self.group, async_op=True),
+                         "every rank of the pipeline to close it", self.ranks[0])
+        for group in self.faults.groups:
+            dist.destroy_process_group(group)
+        self.faults.groups = []
 
     def finish(self, step: Step, channel: RankChannel, training: bool) -> tuple | None:
         """End the step in lockstep: this rank's sends completed, then the loss (its sum,
@@ -121,8 +153,9 @@ class RankDriver:
             losses = torch.stack(step.outputs).detach()
             message[0], message[1] = losses.sum(), _FLOATS.index(losses.dtype)
             message[2:] = losses
-        self.faults.wait(dist.broadcast(message, last, group=self.group, async_op=True),
-                         f"the loss from rank {last}", last)
+        self.faults.wait(dist.broadcast(message, self.ranks[last], group=self.group,
+                                        async_op=True),
+                         f"the loss from rank {self.ranks[last]}", self.ranks[last])
         if not training:
             return None
         return message[0].to(self.device, _FLOATS[int(message[1])]), message[2:]

@@ -184,6 +184,11 @@ class GradSums:
         aliasing a vjp's own output."""
         return [self._out(stage) for stage in range(len(self.totals))]
 
+    def stage(self, stage: int) -> list | None:
+        """One stage's summed leaves, as :meth:`out` gives them (read once they are final:
+        the data-parallel reduction launches a stage's as soon as its last backward ran)."""
+        return self._out(stage)
+
     def _out(self, stage: int) -> list | None:
         total, made = self.totals[stage], self.made[stage]
         if total is not None and stage not in self.owned:

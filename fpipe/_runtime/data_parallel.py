@@ -1,0 +1,201 @@
+"""Data parallelism around a distributed pipeline: several replicas of the same pipeline, each
+given its own shard of the global batch, whose gradients and loss become those of the whole
+batch.
+
+Each rank's *data-parallel group* holds the ranks that run the same worker in the other
+replicas. Per step, in this order on every rank of that group (so collectives pair up):
+
+1. the shard sizes: one all-reduce of ``[n, short]``, so every replica knows the global batch
+   ``N`` and refuses together when any shard has fewer samples than micro-batches;
+2. the gradients: as soon as a stage's gradients are final on this rank (after its last
+   backward or weight-gradient action in this rank's plan), they are scaled by the replica's
+   share ``n / N``, flattened into buckets of at most ``bucket_bytes`` per dtype and
+   all-reduced (sum) asynchronously, so the reduction overlaps the rest of the drain; the
+   buckets are waited for when the step's gradients are returned;
+3. the loss: one all-reduce of ``loss * n / N``.
+
+The sum of share-weighted means is the mean over the global batch, whatever the shards' sizes,
+so every replica returns the same loss and gradients, and an optimiser step applied alike keeps
+the replicas equal. Everything goes over fpipe's own group on the same ranks as the caller's,
+which a failure aborts (:mod:`fpipe._runtime.faults`) without touching the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fpipe._runtime.faults import RankFaults
+from fpipe._runtime.microbatch import check_size
+from fpipe.errors import BatchError, PlacementError
+from fpipe.schedules.actions import Op
+
+__all__ = ["DataParallel", "GradReduce", "REDUCTIONS", "mesh_groups"]
+
+#: What ``grad_reduce=`` may say: the global batch's mean, or gradients left to the caller.
+REDUCTIONS = ("mean", None)
+_FINAL = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
+
+
+class DataParallel:
+    """This rank's data-parallel group (fpipe's own, over the ranks of ``group``) and how a
+    step's gradients are reduced over it."""
+
+    def __init__(self, group: Any, ranks: Sequence[int], reduce: str | None,
+                 bucket_bytes: int, wire: torch.device) -> None:
+        self.group, self.ranks = group, tuple(ranks)
+        self.reduce, self.bucket_bytes, self.wire = reduce, bucket_bytes, wire
+        self.peer = next((r for r in self.ranks if r != dist.get_rank()), self.ranks[0])
+
+    @staticmethod
+    def check_options(reduce: str | None, bucket_mb: float) -> None:
+        """``grad_reduce=`` and ``bucket_mb=`` checked (with or without ``data_parallel``)."""
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"grad_reduce must be 'mean' or None, got {reduce!r}")
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+
+    @staticmethod
+    def ranks_of(group: Any) -> tuple[int, ...]:
+        """The global ranks of the caller's data-parallel ``group``, before any group of
+        fpipe's is made."""
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if dist.get_rank() not in ranks:
+            raise PlacementError(f"rank {dist.get_rank()} is not in its data_parallel group "
+                                 f"{list(ranks)}")
+        return ranks
+
+    def check_alike(self, faults: RankFaults, worker: int, shape: Sequence[int]) -> None:
+        """Refuse replicas that differ: every rank of the group must run the same worker of
+        the same shape of program (``shape``: workers, stages, micro-batches)."""
+        mine = torch.tensor([worker, *shape], dtype=torch.int64, device=self.wire)
+        found = [torch.empty_like(mine) for _ in self.ranks]
+        faults.wait(dist.all_gather(found, mine, group=self.group, async_op=True),
+                    "its data-parallel replicas to build their pipelines", self.peer)
+        for rank, theirs in zip(self.ranks, found):
+            if not torch.equal(theirs, mine):
+                w, *other = theirs.tolist()
+                raise PlacementError(
+                    f"rank {dist.get_rank()} runs worker {worker} of a program of "
+                    f"{list(shape)} (workers, stages, micro-batches) but rank {rank} of its "
+                    f"data_parallel group runs worker {w} of {other}: a data-parallel group "
+                    f"holds the same worker of every replica")
+
+    def total(self, n: int, chunks: int, faults: RankFaults) -> int:
+        """The global batch size; a BatchError on every replica if any shard is too small."""
+        sizes = torch.tensor([n, int(n < chunks)], dtype=torch.int64, device=self.wire)
+        faults.wait(dist.all_reduce(sizes, group=self.group, async_op=True),
+                    "the batch sizes of its data-parallel replicas", self.peer)
+        total, short = sizes.tolist()
+        check_size(n, chunks)
+        if short:
+            raise BatchError(f"{short} data-parallel replica(s) of rank {dist.get_rank()} got "
+                             f"fewer samples than chunks={chunks}, so no replica runs the step")
+        return total
+
+    def step(self, share: float, faults: RankFaults, held: Sequence[int]) -> GradReduce | None:
+        """The reduction of one step's gradients (``None`` when they are left alone)."""
+        if self.reduce is None:
+            return None
+        return GradReduce(self, share, faults, held)
+
+    def loss(self, loss: torch.Tensor, share: float, faults: RankFaults) -> torch.Tensor:
+        """The global batch's mean loss, from this replica's mean over its shard."""
+        message = (loss.detach().to(self.wire, torch.float64) * share).reshape(1)
+        faults.wait(dist.all_reduce(message, group=self.group, async_op=True),
+                    "the loss of its data-parallel replicas", self.peer)
+        return message[0].to(loss.device, loss.dtype)
+
+
+class GradReduce:
+    """One step's gradient reduction on this rank: buckets launched per stage as its
+    gradients become final (:meth:`cuts`, :meth:`launch`), waited in :meth:`apply`."""
+
+    def __init__(self, dp: DataParallel, share: float, faults: RankFaults,
+                 held: Sequence[int]) -> None:
+        self.dp, self.share, self.faults, self.held = dp, share, faults, tuple(held)
+        self.buckets: list[tuple[int, list[int], torch.Tensor, Any]] = []
+        self.launched: set[int] = set()
+
+    def cuts(self, actions: Sequence[tuple]) -> list[tuple[int, list[int]]]:
+        """``[(end, stages)]``: after ``actions[:end]`` the gradients of ``stages`` are final
+        (their last backward or weight-gradient action on this rank), in action order."""
+        last: dict[int, int] = {}
+        for i, (kind, stage, _) in enumerate(actions):
+            if kind.op in _FINAL:
+                last[stage] = i + 1
+        ends: dict[int, list[int]] = {}
+        for stage, end in last.items():
+            ends.setdefault(end, []).append(stage)
+        return sorted(ends.items())
+
+    def launch(self, stage: int, sums: Any) -> None:
+        """Scale ``stage``'s final gradients by the replica's share and start their buckets'
+        all-reduce."""
+        if stage in self.launched:
+            return
+        self.launched.add(stage)
+        grads = sums.stage(stage)
+        if grads is None:
+            return
+        with torch.no_grad():
+            for indices in _buckets(grads, self.dp.bucket_bytes):
+                flat = torch.cat([grads[i].reshape(-1).to(self.dp.wire) for i in indices])
+                flat.mul_(self.share)
+                work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
+                self.buckets.append((stage, indices, flat, work))
+
+    def apply(self, grads: list, sums: Any) -> list:
+        """``grads`` (per stage, flat leaves) with every held stage's reduced: the stages not
+        launched during the run are launched now, then every bucket is waited for."""
+        for stage in self.held:
+            self.launch(stage, sums)
+        grads = [None if g is None else list(g) for g in grads]
+        for stage, indices, flat, work in self.buckets:
+            self.faults.wait(work, f"the gradients of stage {stage} from its data-parallel "
+                             f"replicas", self.dp.peer, stage)
+            offset = 0
+            for i in indices:
+                leaf = grads[stage][i]
+                piece = flat[offset:offset + leaf.numel()].view(leaf.shape)
+                grads[stage][i] = piece.to(leaf.device, leaf.dtype)
+                offset += leaf.numel()
+        self.buckets.clear()
+        return grads
+
+
+def _buckets(grads: list, cap: int) -> list[list[int]]:
+    """Leaf indices grouped by dtype, in order, each group at most ``cap`` bytes (a leaf
+    larger than ``cap`` is a bucket of its own)."""
+    open_: dict[torch.dtype, tuple[list[int], int]] = {}
+    done: list[list[int]] = []
+    for i, grad in enumerate(grads):
+        size = grad.numel() * grad.element_size()
+        indices, used = open_.get(grad.dtype, ([], 0))
+        if indices and used + size > cap:
+            done.append(indices)
+            indices, used = [], 0
+        open_[grad.dtype] = (indices + [i], used + size)
+    return done + [indices for indices, _ in open_.values() if indices]
+
+
+def mesh_groups(group: Any, mesh: Any, data_parallel: Any) -> tuple[Any, Any]:
+    """The pipeline's process group and the data-parallel one (or ``None``), from
+    ``group=``/``data_parallel=`` or from a ``("dp", "pp")`` mesh."""
+    if mesh is None:
+        return (dist.group.WORLD if group is None else group), data_parallel
+    if group is not None or data_parallel is not None:
+        raise ValueError("give either mesh= or group=/data_parallel=, not both: the mesh's "
+                         "'pp' and 'dp' dimensions are those groups")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names or "dp" not in names:
+        raise ValueError(f"mesh= needs a DeviceMesh with dimensions named 'pp' (the "
+                         f"pipeline's ranks) and 'dp' (the data-parallel replicas), e.g. "
+                         f"init_device_mesh(device, (2, 4), mesh_dim_names=('dp', 'pp')); "
+                         f"got dimension names {names}")
+    if mesh.ndim != 2:
+        raise ValueError(f"mesh= must have exactly the dimensions 'dp' and 'pp'; got {names}")
+    return mesh.get_group("pp"), mesh.get_group("dp")

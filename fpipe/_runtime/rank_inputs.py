@@ -1,0 +1,83 @@
+"""What one rank of a distributed pipeline is given, checked: its stages' parameters and state
+(at build time and per call), and the one device they live on. Errors name the rank and the
+stages, before any message is exchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe.errors import PlacementError
+
+__all__ = ["Held", "held_device", "to"]
+
+
+def held_device(params: Mapping[int, Any], device: torch.device | str | None,
+                rank: int) -> torch.device:
+    """The one device of this rank: its parameters' and ``device``'s (the CPU if neither)."""
+    found = set(stage_devices(dict(params), None)) if params else set()
+    if device is not None:
+        found.add(torch.device(device))
+    if len(found) > 1:
+        raise PlacementError(f"rank {rank} runs on one device, but its stages' parameters and "
+                             f"device= name {sorted(map(str, found))}")
+    return found.pop() if found else torch.device("cpu")
+
+
+class Held(NamedTuple):
+    """The stages a rank holds (of ``n_stages``), their device and parameter structures."""
+
+    rank: int
+    stages: tuple[int, ...]
+    device: torch.device
+    specs: dict
+    n_stages: int
+
+    def param_leaves(self, params: Mapping[int, Any] | None, built: Mapping[int, Any]) -> list:
+        """Per stage of the whole pipeline, this rank's parameter leaves (``None`` for the
+        others): ``params`` of a call, checked, or the ones the pipeline was ``built`` with."""
+        if params is None:
+            params = built
+        else:
+            if set(params) != set(self.stages):
+                raise ValueError(f"rank {self.rank} holds stages {list(self.stages)} but got "
+                                 f"parameters for stages {sorted(params)}")
+            for s in self.stages:
+                if optree.tree_structure(params[s]) != self.specs[s]:
+                    raise ValueError(f"params[{s}] has structure "
+                                     f"{optree.tree_structure(params[s])}, but the pipeline was "
+                                     f"built with {self.specs[s]}")
+            check_params(params, {s: self.device for s in self.stages})
+        return [[leaf.detach() for leaf in optree.tree_leaves(params[s])] if s in params
+                else None for s in range(self.n_stages)]
+
+    def states(self, state: Mapping[int, Any] | None, built: Mapping[int, Any] | None) -> list:
+        """Per stage of the whole pipeline, the state this rank passes (``None`` for others):
+        ``state`` of a call, checked, or the one the pipeline was ``built`` with (``None``:
+        the pipeline has no state)."""
+        if built is None:
+            if state is not None:
+                raise ValueError("this pipeline has no state: build it with state=... to pass "
+                                 "state to its stages")
+            return [None] * self.n_stages
+        if state is None:
+            state = built
+        else:
+            self.check_state(state)
+        return [state.get(s) for s in range(self.n_stages)]
+
+    def check_state(self, state: Mapping[int, Any], error: type = ValueError) -> None:
+        if set(state) != set(self.stages):
+            raise error(f"rank {self.rank} holds stages {list(self.stages)} but got state for "
+                        f"stages {sorted(state)}")
+        check_state(state, {s: self.device for s in self.stages})
+
+
+def to(tree: Any, device: torch.device) -> Any:
+    """``tree`` with its tensors on ``device``."""
+    return optree.tree_map(
+        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, tree)

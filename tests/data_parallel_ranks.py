@@ -1,0 +1,160 @@
+"""What each spawned rank runs in tests/test_data_parallel.py: pipelines of two workers, two
+replicas of them on four ranks (rank ``r`` is worker ``r % 2`` of replica ``r // 2``), each
+replica given its own shard of the global batch. Also the close() scenario on two ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from distributed_ranks import data, fdist_schedule
+from models import block, mlp_params, mse
+from torch.distributed.device_mesh import init_device_mesh
+
+import fpipe.distributed as fdist
+
+#: (schedule, chunks, stages, bucket_mb) of the mesh scenario: ZB-V puts stages 0 and 3 on
+#: worker 0, so stage 3's gradients are reduced while stage 0's backwards still run; 1F1B's
+#: buckets are small enough that each leaf is one.
+MESH_CASES = (("gpipe", 2, 2, 25.0), ("1f1b", 2, 2, 500 / 2**20), ("zbv", 3, 4, 25.0))
+#: The learning rate of the SGD step between the two steps of a case.
+LR = 0.1
+
+
+def mesh_steps() -> list:
+    """Two global batches of 8 samples."""
+    return [data(8, 8, seed=30), data(8, 8, seed=31)]
+
+
+def shard(tree: torch.Tensor, replica: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    start = sum(sizes[:replica])
+    return tree[start:start + sizes[replica]]
+
+
+def _train(pipe, params: dict, steps: list, replica: int, sizes: tuple, worker: int,
+           last: int) -> list:
+    """Each step on this replica's shard, then SGD on the returned gradients."""
+    out = []
+    for x, target in steps:
+        loss, grads = pipe.value_and_grad(
+            shard(x, replica, sizes) if worker == 0 else None,
+            shard(target, replica, sizes) if worker == last else None, params=params)
+        out.append((loss, grads))
+        params = {s: {k: v - LR * grads[s][k] for k, v in params[s].items()} for s in params}
+    return out
+
+
+def mesh(rank: int, world: int) -> dict:
+    """Every case of :data:`MESH_CASES` on a ("dp", "pp") = (2, 2) DeviceMesh, even shards."""
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, worker = device_mesh.get_coordinate()
+    out = {}
+    for name, chunks, n_stages, bucket_mb in MESH_CASES:
+        schedule = fdist_schedule(name, chunks)
+        held = fdist.my_stages(schedule, n_stages, mesh=device_mesh)
+        full = mlp_params(n_stages)
+        with fdist.pipeline([block] * n_stages, {s: full[s] for s in held}, schedule=schedule,
+                            loss_fn=mse, mesh=device_mesh, timeout=20,
+                            bucket_mb=bucket_mb) as pipe:
+            out[name] = _train(pipe, {s: full[s] for s in held}, mesh_steps(), replica,
+                               (4, 4), worker, pipe.program.placement[-1])
+            out[f"{name}: ranks"] = pipe.ranks
+    return out
+
+
+def uneven_steps() -> list:
+    return [data(8, 8, seed=32)]
+
+
+def groups(rank: int, world: int) -> dict:
+    """Explicit ``group=`` and ``data_parallel=`` groups, shards of 5 and 3 samples: a
+    training step, a vjp step, the gradients left alone (``grad_reduce=None``), and a shard
+    smaller than ``chunks`` refused on every replica; last, "replicas" pairing different workers
+    refused."""
+    pairs = ([0, 1], [2, 3], [0, 2], [1, 3], [0, 3], [1, 2])
+    made = {tuple(r): dist.new_group(list(r)) for r in pairs}  # by every rank, in one order
+    replica, worker = divmod(rank, 2)
+    pp = made[(0, 1)] if replica == 0 else made[(2, 3)]
+    dp = made[(0, 2)] if worker == 0 else made[(1, 3)]
+    schedule, full, sizes = fdist_schedule("1f1b", 2), mlp_params(2), (5, 3)
+    (x, target), = uneven_steps()
+    first, last = worker == 0, worker == 1
+    out = {"held": fdist.my_stages(schedule, 2, group=pp)}
+    params = {worker: full[worker]}
+    with fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse, group=pp,
+                        data_parallel=dp, timeout=20) as pipe:
+        out["ranks"] = pipe.ranks
+        out["train"] = _train(pipe, params, [(x, target)], replica, sizes, worker, 1)
+        xs, ts = shard(x, replica, sizes), shard(target, replica, sizes)
+        try:
+            pipe.value_and_grad(xs[:1] if first and replica == 1 else xs if first else None,
+                                ts[:1] if last and replica == 1 else ts if last else None)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            out["short"] = (type(exc).__name__, str(exc))
+        out["after"] = pipe.value_and_grad(xs if first else None, ts if last else None)[0]
+    gpipe = fdist_schedule("gpipe", 2)
+    with fdist.pipeline([block, block], params, schedule=gpipe, loss_fn=mse, group=pp,
+                        data_parallel=dp, timeout=20) as pipe:
+        y, vjp_fn = pipe.vjp(xs if first else None)
+        # The cotangent of this shard's mean loss, as each replica's own loss would give it.
+        cotangent = 2 * (y - ts) / ts.numel() if last else None
+        out["vjp"] = vjp_fn(cotangent)
+    with fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse, group=pp,
+                        data_parallel=dp, grad_reduce=None, timeout=20) as pipe:
+        out["alone"] = pipe.value_and_grad(xs if first else None, ts if last else None)
+    crossed = made[(0, 3)] if rank in (0, 3) else made[(1, 2)]
+    try:  # replicas paired worker 0 with worker 1: refused on every rank
+        fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse, group=pp,
+                       data_parallel=crossed, timeout=20)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        out["crossed"] = (type(exc).__name__, str(exc))
+    return out
+
+
+def cursed(p, x):
+    if (x == 99).any():
+        raise ValueError("sample 99 is cursed")
+    return block(p, x)
+
+
+def replica_fails(rank: int, world: int) -> dict:
+    """A stage raising in replica 1 only: every rank of both replicas stops with an error."""
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, worker = device_mesh.get_coordinate()
+    schedule, full = fdist_schedule("1f1b", 2), mlp_params(2)
+    x, target = data(4, 8, seed=34)
+    if replica == 1:
+        x[0, 0] = 99
+    pipe = fdist.pipeline([cursed, block], {worker: full[worker]}, schedule=schedule,
+                          loss_fn=mse, mesh=device_mesh, timeout=10)
+    try:
+        pipe.value_and_grad(x if worker == 0 else None, target if worker == 1 else None)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return {"error": (type(exc).__name__, str(exc))}
+    return {"error": None}
+
+
+def closing(rank: int, world: int) -> dict:
+    """Three rounds of: a pipeline in a ``with`` block whose last call is forward-only, a
+    call after it, the default group destroyed at once and joined again."""
+    import distributed_ranks
+
+    schedule, full = fdist_schedule("1f1b", 2), mlp_params(2)
+    x, target = data(4, 8, seed=33)
+    out = []
+    for round_ in range(3):
+        with fdist.pipeline([block, block], {rank: full[rank]}, schedule=schedule,
+                            loss_fn=mse, timeout=20) as pipe:
+            loss, _ = pipe.value_and_grad(x if rank == 0 else None,
+                                          target if rank == 1 else None)
+            pipe(x if rank == 0 else None)
+        pipe.close()  # a second close does nothing
+        try:
+            pipe(x if rank == 0 else None)
+            after = None
+        except RuntimeError as exc:
+            after = str(exc)
+        out.append((loss, after))
+        dist.destroy_process_group()
+        store = dist.PrefixStore(f"round{round_}", distributed_ranks.STORE)
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+    return {"rounds": out}

@@ -1,0 +1,67 @@
+"""The scenarios of tests/test_faces.py, written once for both faces: :func:`run` takes a
+``build`` (the pipeline's constructor) and an ``args`` (what this caller passes as ``x`` and
+``target``), so the parent runs them through ``fpipe.pipeline`` and the ranks through
+``fpipe.distributed.pipeline``; each outcome is ``("ok", result)`` or ``("error", type,
+message)``."""
+
+from __future__ import annotations
+
+import torch
+from distributed_ranks import _outcome, data
+from models import block, mlp_params, mse
+
+import fpipe.distributed as fdist
+from fpipe.schedules import one_f_one_b
+
+
+def cursed(p, x):
+    """A stage that raises on a batch holding a sample of value 99."""
+    if (x == 99).any():
+        raise ValueError("sample 99 is cursed")
+    return block(p, x)
+
+
+def run(build, args, params_of) -> dict:
+    """Every scenario, in an order where the ones that stop a distributed pipeline come last.
+    ``params_of(list)`` turns one pytree per stage into what ``build`` takes."""
+    full, x, target = mlp_params(2), *data(4, 8, seed=40)
+    out = {}
+    with build([block, block], params_of(full), loss_fn=mse) as pipe:
+        out["ok"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+        out["call"] = _outcome(lambda: pipe(args(x, None)[0]))
+        bad = params_of([{"w": p["w"]} for p in full])
+        out["structure"] = _outcome(lambda: pipe.value_and_grad(*args(x, target), params=bad))
+        out["small"] = _outcome(lambda: pipe.value_and_grad(*args(x[:1], target[:1])))
+        nan = target.clone()
+        nan[3] = float("nan")
+        out["nonfinite"] = _outcome(lambda: pipe.value_and_grad(*args(x, nan)))
+        with torch.inference_mode():
+            out["inference mode"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+        out["after"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+    with build([block, block], params_of(full)) as pipe:
+        out["no loss"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+    single = params_of(mlp_params(2, dtype=torch.float32))
+    with build([block, block], single, loss_fn=mse, grad_dtype=torch.float64) as pipe:
+        out["grad_dtype"] = _outcome(lambda: pipe.value_and_grad(*args(x.float(),
+                                                                      target.float())))
+    out["no stages"] = _outcome(lambda: build([], params_of([]), loss_fn=mse))
+    with build([block, block], params_of(full), loss_fn=mse) as pipe:
+        out["target"] = _outcome(lambda: pipe.value_and_grad(*args(x, target[:3])))
+    cursed_x = x.clone()
+    cursed_x[2, 0] = 99
+    with build([cursed, block], params_of(full), loss_fn=mse) as pipe:
+        out["raises"] = _outcome(lambda: pipe.value_and_grad(*args(cursed_x, target)))
+    return out
+
+
+def faces(rank: int, world: int) -> dict:
+    """:func:`run` on two ranks, worker ``w`` holding stage ``w``."""
+    schedule = one_f_one_b(chunks=2)
+
+    def build(stages, params, **options):
+        return fdist.pipeline(stages, params, schedule=schedule, timeout=20, **options)
+
+    def args(x, target):
+        return x if rank == 0 else None, target if rank == 1 else None
+
+    return run(build, args, lambda trees: {s: t for s, t in enumerate(trees) if s == rank})

@@ -1,0 +1,148 @@
+"""Pipeline x data parallel on gloo over 127.0.0.1 (tests/data_parallel_ranks.py runs the
+ranks): two replicas of a two-worker pipeline, each given its own shard of the global batch,
+return the loss and gradients of the WHOLE batch, computed here in one process with
+``torch.func`` in float64; and close() leaves nothing for destroy_process_group to trip on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from data_parallel_ranks import LR, MESH_CASES, mesh_steps, shard, uneven_steps
+from distributed_ranks import fdist_schedule, spawn
+from models import block, mlp_params, mse, whole_batch
+
+from fpipe._runtime.data_parallel import DataParallel, GradReduce, _buckets, mesh_groups
+from fpipe._runtime.instructions import compiled
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _ok(results: list, codes: list) -> None:
+    for result in results:
+        assert result is not None and "crash" not in result, result
+    assert codes == [0] * len(codes)
+
+
+def _sgd_steps(stages: list, params: list, steps: list) -> list:
+    """(loss, grads) of each whole-batch step, SGD between them, as the ranks train."""
+    out = []
+    for x, target in steps:
+        loss, grads = whole_batch(stages, params, x, target, mse)
+        out.append((loss, grads))
+        params = [{k: v - LR * g[k] for k, v in p.items()} for p, g in zip(params, grads)]
+    return out
+
+
+def _check(rank_steps: list, expected: list, held: list) -> None:
+    for (loss, grads), (want_loss, want_grads) in zip(rank_steps, expected, strict=True):
+        torch.testing.assert_close(loss, want_loss, **TIGHT)
+        assert sorted(grads) == held
+        for s in held:
+            torch.testing.assert_close(grads[s], want_grads[s], **TIGHT)
+
+
+def test_two_replicas_on_a_mesh_give_the_whole_batch_loss_and_gradients():
+    """The issue's acceptance test: a ("dp", "pp") = (2, 2) mesh, GPipe, 1F1B (one bucket per
+    leaf) and ZB-V, two steps each with SGD between; every rank has the global loss and the
+    global batch's gradients of its stages."""
+    results, codes = spawn("data_parallel_ranks:mesh", 4, timeout=120)
+    _ok(results, codes)
+    for name, chunks, n_stages, _ in MESH_CASES:
+        placement = fdist_schedule(name, chunks).program(n_stages).placement
+        expected = _sgd_steps([block] * n_stages, mlp_params(n_stages), mesh_steps())
+        for rank, result in enumerate(results):
+            replica, worker = divmod(rank, 2)
+            assert result[f"{name}: ranks"] == (2 * replica, 2 * replica + 1)
+            held = [s for s, w in enumerate(placement) if w == worker]
+            _check(result[name], expected, held)
+
+
+def test_explicit_groups_uneven_shards_vjp_and_gradients_left_alone():
+    results, codes = spawn("data_parallel_ranks:groups", 4, timeout=120)
+    _ok(results, codes)
+    (x, target), = uneven_steps()
+    params = mlp_params(2)
+    expected = _sgd_steps([block, block], params, [(x, target)])
+    loss = expected[0][0]
+    for rank, result in enumerate(results):
+        replica, worker = divmod(rank, 2)
+        assert result["held"] == (worker,)
+        assert result["ranks"] == (2 * replica, 2 * replica + 1)
+        _check(result["train"], expected, [worker])
+        kind, message = result["short"]
+        assert kind == "BatchError"
+        assert ("fewer than chunks=2" if replica == 1 else "replica") in message
+        torch.testing.assert_close(result["after"], loss, **TIGHT)
+        grads, _ = result["vjp"]
+        torch.testing.assert_close(grads[worker], expected[0][1][worker], **TIGHT)
+        # grad_reduce=None: the global loss, but this replica's own shard's gradients.
+        alone_loss, alone = result["alone"]
+        torch.testing.assert_close(alone_loss, loss, **TIGHT)
+        xs, ts = shard(x, replica, (5, 3)), shard(target, replica, (5, 3))
+        _, own = whole_batch([block, block], params, xs, ts, mse)
+        torch.testing.assert_close(alone[worker], own[worker], **TIGHT)
+        kind, message = result["crossed"]  # data_parallel groups pairing worker 0 with 1
+        assert kind == "PlacementError" and "data_parallel group" in message
+
+
+def test_a_failure_in_one_replica_stops_every_rank_of_both():
+    results, codes = spawn("data_parallel_ranks:replica_fails", 4, timeout=120)
+    _ok(results, codes)
+    assert results[2]["error"] == ("ValueError", "sample 99 is cursed")  # the cursed stage
+    assert results[3]["error"][0] == "StageError"  # its pipeline's other rank
+    for rank in (0, 1):  # the other replica, woken from its gradient reduction
+        kind, message = results[rank]["error"]
+        assert kind in ("PeerError", "StageError"), (rank, kind, message)
+
+
+def test_close_then_destroy_process_group_is_safe_and_later_calls_raise():
+    results, codes = spawn("data_parallel_ranks:closing", 2, timeout=120)
+    _ok(results, codes)
+    for result in results:
+        assert len(result["rounds"]) == 3
+        for _, after in result["rounds"]:
+            assert "was closed" in after
+
+
+def test_a_stage_gradients_are_reduced_as_soon_as_they_are_final():
+    """ZB-V on two workers: worker 0 holds stages 0 and 3; stage 3's last weight gradient
+    comes before stage 0's backwards, so its reduction is launched mid-plan."""
+    program = fdist_schedule("zbv", 3).program(4)
+    plan = compiled({}, program, True, False)
+    actions = plan[0]
+    cuts = dict((stages[0], end) for end, stages in GradReduce.cuts(None, actions))
+    assert set(cuts) == {0, 3}
+    assert cuts[3] < cuts[0] == len(actions)
+    assert all(a[0].op.name not in ("BACKWARD", "BACKWARD_WEIGHT") or a[1] != 3
+               for a in actions[cuts[3]:])
+
+
+class _Mesh:
+    def __init__(self, names):
+        self.mesh_dim_names, self.ndim = names, len(names)
+
+
+def test_a_mesh_needs_dp_and_pp_dimensions_and_no_other_groups():
+    with pytest.raises(ValueError, match="named 'pp'"):
+        mesh_groups(None, _Mesh(("data", "pipe")), None)
+    with pytest.raises(ValueError, match="exactly the dimensions"):
+        mesh_groups(None, _Mesh(("dp", "pp", "tp")), None)
+    with pytest.raises(ValueError, match="not both"):
+        mesh_groups(object(), _Mesh(("dp", "pp")), None)
+    with pytest.raises(ValueError, match="not both"):
+        mesh_groups(None, _Mesh(("dp", "pp")), object())
+
+
+@pytest.mark.parametrize("cap, expected", [(10**6, [[0, 2], [1]]), (40, [[0], [2], [1]])])
+def test_buckets_group_leaves_by_dtype_within_the_cap(cap, expected):
+    grads = [torch.zeros(4, dtype=torch.float64), torch.zeros(3, dtype=torch.float32),
+             torch.zeros(2, dtype=torch.float64)]
+    assert sorted(_buckets(grads, cap)) == sorted(expected)
+
+
+@pytest.mark.parametrize("reduce, bucket_mb, match", [("sum", 25.0, "grad_reduce"),
+                                                       ("mean", 0, "bucket_mb"),
+                                                       (None, "big", "bucket_mb")])
+def test_bad_reduction_options_are_refused(reduce, bucket_mb, match):
+    with pytest.raises(ValueError, match=match):
+        DataParallel.check_options(reduce, bucket_mb)

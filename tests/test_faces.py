@@ -1,0 +1,74 @@
+"""Parity of the two faces: the scenarios of tests/faces_ranks.py run through
+``fpipe.pipeline`` (two workers, in this process) and ``fpipe.distributed.pipeline`` (two
+ranks) give equal results and raise the same errors for the same bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_ranks import spawn
+from faces_ranks import run
+
+import fpipe
+from fpipe.schedules import one_f_one_b
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def faces():
+    def build(stages, params, **options):
+        return fpipe.pipeline(stages, params, schedule=one_f_one_b(chunks=2), **options)
+
+    local = run(build, lambda x, target: (x, target), list)
+    results, codes = spawn("faces_ranks:faces", 2, timeout=120)
+    for result in results:
+        assert result is not None and "crash" not in result, result
+    assert codes == [0, 0]
+    return local, results
+
+
+def test_equal_results(faces):
+    local, ranks = faces
+    for case in ("ok", "after", "grad_dtype"):
+        assert local[case][0] == "ok", (case, local[case])
+        loss, grads = local[case][1]
+        for rank, result in enumerate(ranks):
+            assert result[case][0] == "ok", (case, rank, result[case])
+            got_loss, got_grads = result[case][1]
+            torch.testing.assert_close(got_loss, loss, **TIGHT)
+            assert list(got_grads) == [rank]
+            torch.testing.assert_close(got_grads[rank], grads[rank], **TIGHT)
+    torch.testing.assert_close(ranks[1]["call"][1], local["call"][1], **TIGHT)
+    assert ranks[0]["call"] == ("ok", None)
+
+
+@pytest.mark.parametrize("case", ["small", "nonfinite", "inference mode", "no loss",
+                                  "no stages"])
+def test_the_same_error_on_every_rank(faces, case):
+    """Errors every rank can see for itself: the same type and message as the local face."""
+    local, ranks = faces
+    assert local[case][0] == "error", local[case]
+    for result in ranks:
+        assert result[case] == local[case]
+
+
+def test_wrong_parameter_structure_per_call(faces):
+    local, ranks = faces
+    assert local["structure"][:2] == ("error", "ValueError")
+    assert ranks[0]["structure"] == local["structure"]  # stage 0, the first the local face checks
+    assert ranks[1]["structure"][:2] == ("error", "ValueError")
+    assert "params[1] has structure" in ranks[1]["structure"][2]
+
+
+def test_errors_seen_on_one_rank(faces):
+    """A target of the wrong size (on the last stage's rank) and a stage raising (on its
+    rank) raise there as in the local face; the other rank raises an error naming them."""
+    local, ranks = faces
+    assert ranks[1]["target"] == local["target"]
+    assert local["target"][1] == "BatchError"
+    assert "BatchError" in ranks[0]["target"][2] and "rank 1" in ranks[0]["target"][2]
+    assert ranks[0]["raises"] == local["raises"] == ("error", "ValueError",
+                                                      "sample 99 is cursed")
+    assert ranks[1]["raises"][1] == "StageError"
+    assert "sample 99 is cursed" in ranks[1]["raises"][2]
