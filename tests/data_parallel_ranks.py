@@ -11,6 +11,7 @@ from models import block, mlp_params, mse
 from torch.distributed.device_mesh import init_device_mesh
 
 import fpipe.distributed as fdist
+from fpipe.optim import global_norm
 
 #: (schedule, chunks, stages, bucket_mb) of the mesh scenario: ZB-V puts stages 0 and 3 on
 #: worker 0, so stage 3's gradients are reduced while stage 0's backwards still run; 1F1B's
@@ -158,3 +159,32 @@ def closing(rank: int, world: int) -> dict:
         store = dist.PrefixStore(f"round{round_}", distributed_ranks.STORE)
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
     return {"rounds": out}
+
+
+#: The tie of :func:`mesh_ties`: the two stages' weight matrices are one tensor.
+MESH_TIES = [[(0, "w"), (1, "w")]]
+
+
+def tied_params() -> list:
+    params = mlp_params(2)
+    params[1]["w"] = params[0]["w"].clone()
+    return params
+
+
+def mesh_ties(rank: int, world: int) -> dict:
+    """A tie across the two workers of each replica on a (2, 2) mesh: the tie's sum runs over
+    each replica's pipeline ranks after the data-parallel mean; then the global norm of the
+    gradients, a tie counted once, summed over the pipeline's ranks."""
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, worker = device_mesh.get_coordinate()
+    schedule, full = fdist_schedule("1f1b", 2), tied_params()
+    held = fdist.my_stages(schedule, 2, mesh=device_mesh)
+    params = {s: full[s] for s in held}
+    with fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse,
+                        mesh=device_mesh, timeout=20, ties=MESH_TIES) as pipe:
+        steps = _train(pipe, params, mesh_steps(), replica, (4, 4), worker, 1)
+        x, target = mesh_steps()[0]
+        _, grads = pipe.value_and_grad(shard(x, replica, (4, 4)) if worker == 0 else None,
+                                       shard(target, replica, (4, 4)) if worker == 1 else None)
+        norm = global_norm(grads, ties=MESH_TIES, group=device_mesh.get_group("pp"))
+    return {"steps": steps, "norm": norm}

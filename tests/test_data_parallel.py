@@ -146,3 +146,32 @@ def test_buckets_group_leaves_by_dtype_within_the_cap(cap, expected):
 def test_bad_reduction_options_are_refused(reduce, bucket_mb, match):
     with pytest.raises(ValueError, match=match):
         DataParallel.check_options(reduce, bucket_mb)
+
+
+def test_a_tie_across_workers_of_two_replicas_and_its_global_norm():
+    """Stage 0's and stage 1's weights are one tensor (``ties=``) on a (2, 2) mesh: each copy's
+    gradient is the shared tensor's over the whole batch, two steps with SGD between keep the
+    copies equal, and ``global_norm(..., ties=, group=pp)`` is the one-tensor model's norm."""
+    from data_parallel_ranks import tied_params
+
+    results, codes = spawn("data_parallel_ranks:mesh_ties", 4, timeout=120)
+    _ok(results, codes)
+
+    def model(shared, x):
+        h = block({"w": shared["w"], "b": shared["b0"]}, x)
+        return block({"w": shared["w"], "b": shared["b1"]}, h)
+
+    start = tied_params()
+    shared = {"w": start[0]["w"], "b0": start[0]["b"], "b1": start[1]["b"]}
+    expected = []
+    for x, target in mesh_steps():
+        grads, loss = torch.func.grad_and_value(
+            lambda p, x=x, target=target: mse(model(p, x), target))(shared)
+        expected.append((loss, [{"w": grads["w"], "b": grads["b0"]},
+                                {"w": grads["w"], "b": grads["b1"]}]))
+        shared = {k: v - LR * grads[k] for k, v in shared.items()}
+    norm = torch.cat([g.flatten() for g in expected[0][1][0].values()]
+                     + [expected[0][1][1]["b"]]).norm()
+    for rank, result in enumerate(results):
+        _check(result["steps"], expected, [rank % 2])
+        torch.testing.assert_close(result["norm"], norm, **TIGHT)
