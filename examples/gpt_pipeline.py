@@ -55,13 +55,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int) -> None:
+    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int,
+                 tied: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Embedding(context, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)  # untied: stages may not share tensors
+        self.head = nn.Linear(width, vocab, bias=False)
+        if tied:  # GPT-2's way: the LM head is the token embedding (a tie across two stages)
+            self.head.weight = self.tok.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))

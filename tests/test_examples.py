@@ -137,3 +137,30 @@ def test_distributed_example_says_how_to_launch_it_and_that_command_trains(tmp_p
     assert trained.returncode == 0, trained.stderr[-2000:]
     losses = [float(v) for v in re.findall(r"step +\d+  loss (\S+)", trained.stdout)]
     assert len(losses) == 3 and losses[-1] < 0.8 * losses[0]
+
+
+def test_scale_out_example_trains_on_a_mesh_and_another_shape_resumes_it(tmp_path):
+    """4 ranks (2 replicas x 2 pipeline workers, a tie across the workers, built on meta)
+    train and save; 2 ranks (no data parallelism) resume from the checkpoint: their first
+    evaluation is the saved job's last."""
+    pytest.importorskip("tqdm")
+    script = EXAMPLES / "scale_out.py"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+
+    def run(ranks: int, *args: str) -> tuple[float, float]:
+        done = subprocess.run([torchrun, "--standalone", f"--nproc-per-node={ranks}",
+                               str(script), "--steps", "12", *args], env=env, timeout=240,
+                              capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        start, end = re.search(r"evaluation loss (\S+) -> (\S+)", done.stdout).groups()
+        return float(start), float(end)
+
+    start, saved = run(4, "--dp", "2", "--save", "ckpt")
+    assert saved < 0.8 * start
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.distcp")) == [
+        f"__{r}_0.distcp" for r in range(4)]
+    resumed, end = run(2, "--dp", "1", "--resume", "ckpt")
+    assert resumed == pytest.approx(saved, abs=2e-6)
+    assert end < resumed
