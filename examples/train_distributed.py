@@ -52,19 +52,20 @@ def main() -> None:
         params[s] = {"w": torch.randn(width, n_out, device=device) / width ** 0.5,
                      "b": torch.zeros(n_out, device=device)}
     optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=0.02)
-    pipe = fdist.pipeline(stages, params, schedule=schedule,
-                          loss_fn=torch.nn.functional.mse_loss, timeout=60)
     teacher = torch.randn(width, 1, generator=torch.Generator().manual_seed(0))
     data = torch.Generator().manual_seed(1)  # every rank draws the same batches
-    for step in range(1, args.steps + 1):
-        x = torch.randn(batch, width, generator=data)
-        target = torch.sin(x @ teacher)
-        loss, grads = pipe.value_and_grad(x, target)  # ranks without stage 0 could pass None
-        bind_grads(params, grads)  # grads: {stage: pytree}, like params
-        optimizer.step()
-        if rank == 0 and (step % 10 == 0 or step == 1):
-            print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
-    dist.barrier()  # every rank done with its messages before the groups are torn down
+    # The with block closes the pipeline on every rank together (a collective), after which
+    # the process group can be torn down.
+    with fdist.pipeline(stages, params, schedule=schedule,
+                        loss_fn=torch.nn.functional.mse_loss, timeout=60) as pipe:
+        for step in range(1, args.steps + 1):
+            x = torch.randn(batch, width, generator=data)
+            target = torch.sin(x @ teacher)
+            loss, grads = pipe.value_and_grad(x, target)  # ranks without stage 0: None is fine
+            bind_grads(params, grads)  # grads: {stage: pytree}, like params
+            optimizer.step()
+            if rank == 0 and (step % 10 == 0 or step == 1):
+                print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 
 
