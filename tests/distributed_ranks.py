@@ -664,6 +664,11 @@ def ties(rank: int, world: int) -> dict:
     out["renamed"] = _outcome(build, renamed, tie)
     out["narrow"] = _outcome(build, narrow, tie)
     out["maps"] = _outcome(build, full[rank], tie if rank == 0 else None)
+    apart = dict(full[rank])
+    if rank == 1:  # one element off: a copy that does not start equal
+        apart["head.weight"] = apart["head.weight"].clone()
+        apart["head.weight"][2, 1] += 1e-12
+    out["apart"] = _outcome(build, apart, tie)
     return out
 
 

@@ -341,3 +341,7 @@ def test_distributed_bad_ties_raise_on_every_rank(distributed):
         kind, name, message = distributed[rank]["maps"]
         assert (kind, name) == ("error", "ValueError")
         assert "rank 0 and rank 1 were given different tie maps" in message
+        kind, name, message = distributed[rank]["apart"]
+        assert (kind, name) == ("error", "ValueError")
+        assert message.startswith("tie 0 ((0, 'wte.weight'), (1, 'head.weight')): its copies "
+                                  "on ranks [0, 1] hold different values")

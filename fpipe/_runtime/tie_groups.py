@@ -5,8 +5,8 @@ Built collectively with the pipeline. Every rank reads the tie map and checks wh
 (:mod:`fpipe._runtime.ties`), then every rank learns every other rank's findings in one
 ``all_gather_object``: a bad tie map, a map that differs between ranks, or members on two ranks
 whose shape or dtype differ raise the same error on every rank, before any group exists (never
-one rank raising while the others wait). Values are compared only between copies on one rank;
-comparing copies on two ranks would move whole tensors.
+one rank raising while the others wait). Copies on one rank are compared there; copies on
+several are compared once, at build, by a MAX and a MIN all-reduce over their group.
 
 Worker ``w`` of the program runs on global rank ``ranks[w]``. Each set of workers holding some
 tie's members gets one group (ties over the same set share it, and are reduced in one flattened
@@ -76,6 +76,38 @@ class TieGroups:
                     self.groups.append(group)
                     self._bucket(group, members, [t for t, s in enumerate(spans) if s == span])
         faults.groups.extend(self.groups)
+        self._check_values(params)
+
+    def _check_values(self, params: Mapping[int, Any]) -> None:
+        """Copies of a tie on several ranks must start equal (they stay equal only if they
+        do): each bucket's values are reduced by MAX and by MIN over its group and compared,
+        element by element; then every rank of the job learns of every mismatch (one
+        ``all_gather_object``), so all raise alike. Once, at build."""
+        leaves = {s: optree.tree_leaves(tree) for s, tree in params.items()}
+        differ = []
+        for bucket in self.buckets:
+            values = [leaves[s][i].detach().reshape(-1).to(self.wire, torch.float64)
+                      for s, i in (self.places[t][0] for t in bucket.ties)]
+            high, low = torch.cat(values), torch.cat(values)
+            peer = next(r for r in bucket.ranks if r != self.rank)
+            for flat, op in ((high, dist.ReduceOp.MAX), (low, dist.ReduceOp.MIN)):
+                self.faults.wait(dist.all_reduce(flat, op=op, group=bucket.group,
+                                                 async_op=True),
+                                 f"the values of ties {list(bucket.ties)}", peer)
+            offset = 0
+            for t, value in zip(bucket.ties, values):
+                end = offset + value.numel()
+                if not torch.equal(high[offset:end], low[offset:end]):
+                    differ.append((describe(self.ties[t], t), bucket.ranks))
+                offset = end
+        records: list = [None] * dist.get_world_size()
+        dist.all_gather_object(records, differ)
+        for found in records:
+            for tie, ranks in found:
+                raise ValueError(f"{tie}: its copies on ranks {list(ranks)} hold different "
+                                 f"values; a tie's copies must start equal: seed every rank "
+                                 f"alike before building them (torch.manual_seed), or load "
+                                 f"them from one checkpoint")
 
     def _bucket(self, group: Any, members: tuple[int, ...], ties: list[int]) -> None:
         by_dtype: dict[torch.dtype, list[int]] = {}
