@@ -139,6 +139,7 @@ def test_distributed_example_says_how_to_launch_it_and_that_command_trains(tmp_p
     assert len(losses) == 3 and losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.needs_extra
 def test_scale_out_example_trains_on_a_mesh_and_another_shape_resumes_it(tmp_path):
     """4 ranks (2 replicas x 2 pipeline workers, a tie across the workers, built on meta)
     train and save; 2 ranks (no data parallelism) resume from the checkpoint: their first
