@@ -50,7 +50,7 @@ from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.placement import check_params
 from fpipe._runtime.rank_calls import Calls
 from fpipe._runtime.rank_driver import RankDriver, backend_for
-from fpipe._runtime.rank_inputs import Held, held_device, to
+from fpipe._runtime.rank_inputs import Held, held_device, seat, to
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe._runtime.stream import Transport
@@ -61,6 +61,7 @@ from fpipe.schedules.validate import validate
 from fpipe.timeline import Recorder
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
+
 
 def init(device: torch.device | str | None = None) -> torch.device:
     """Join the process group ``torchrun`` describes (its environment variables) with the
@@ -196,18 +197,8 @@ class DistributedPipeline:
         compiled(self._compiled, self.program, True, state is not None)
         compiled(self._compiled, self.inference_program, False, state is not None)
         self.rank = dist.get_rank()
-        if self.rank not in self.ranks:
-            raise PlacementError(f"rank {self.rank} is not in the pipeline's process group "
-                                 f"(ranks {list(self.ranks)})")
-        if program.n_workers != len(self.ranks):
-            raise PlacementError(f"the program has {program.n_workers} workers but the process "
-                                 f"group has {len(self.ranks)} ranks: run one rank per worker")
-        #: This rank's worker of the program (its index in :attr:`ranks`).
-        self.worker = self.ranks.index(self.rank)
-        self.stages_held = tuple(s for s, w in enumerate(program.placement) if w == self.worker)
-        if set(params) != set(self.stages_held):
-            raise PlacementError(f"rank {self.rank} holds stages {list(self.stages_held)} but "
-                                 f"got parameters for stages {sorted(params)}")
+        #: This rank's worker of the program (its index in :attr:`ranks`), and its stages.
+        self.worker, self.stages_held = seat(self.ranks, self.rank, program, params)
         self.params = {s: params[s] for s in self.stages_held}
         self.device = held_device(self.params, device, self.rank)
         check_params(self.params, {s: self.device for s in self.stages_held})

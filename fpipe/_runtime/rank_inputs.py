@@ -12,8 +12,28 @@ import torch
 
 from fpipe._runtime.placement import check_params, check_state, stage_devices
 from fpipe.errors import PlacementError
+from fpipe.schedules.actions import Program
 
-__all__ = ["Held", "held_device", "to"]
+__all__ = ["Held", "held_device", "seat", "to"]
+
+
+def seat(ranks: tuple[int, ...], rank: int, program: Program,
+         given: Mapping[int, Any]) -> tuple[int, tuple[int, ...]]:
+    """``(worker, stages)``: where ``rank`` sits in a pipeline whose worker ``w`` runs on
+    ``ranks[w]``, and the stages it holds there, which ``given`` (its parameters) must be."""
+    if rank not in ranks:
+        raise PlacementError(f"rank {rank} is not in the pipeline's process group "
+                             f"(ranks {list(ranks)})")
+    n_workers = program.n_workers
+    if n_workers != len(ranks):
+        raise PlacementError(f"the program has {n_workers} workers but the process group has "
+                             f"{len(ranks)} ranks: run one rank per worker")
+    worker = ranks.index(rank)
+    stages = tuple(s for s, w in enumerate(program.placement) if w == worker)
+    if set(given) != set(stages):
+        raise PlacementError(f"rank {rank} holds stages {list(stages)} but got parameters for "
+                             f"stages {sorted(given)}")
+    return worker, stages
 
 
 def held_device(params: Mapping[int, Any], device: torch.device | str | None,
