@@ -26,6 +26,7 @@ or ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` with that option).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,8 +34,7 @@ from typing import Any
 
 import optree
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+import torch.distributed as dist
 
 from fpipe._runtime.trees import leaf_names
 
@@ -47,6 +47,27 @@ def names(tree: Any) -> list[str]:
     """The name of each leaf of one stage's pytree, in leaf order: its path, joined by dots
     (``"wte.weight"`` for the dicts ``from_modules`` makes), as ``ties=`` spells them."""
     return leaf_names(tree)
+
+
+def _dcp(process_group: Any = None) -> Any:
+    """``torch.distributed.checkpoint``, imported when first used (a large import that
+    ``import fpipe`` need not pay), after checking what it needs: on several ranks it exchanges
+    its plans with torch's object collectives, which go through numpy."""
+    if (dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(process_group) > 1
+            and importlib.util.find_spec("numpy") is None):
+        raise ImportError("fpipe.saving on several ranks needs numpy: torch.distributed."
+                          "checkpoint exchanges its plans with torch's object collectives, "
+                          "which use it; pip install numpy (or 'fpipe[saving]')")
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _tensor_metadata() -> type:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return TensorStorageMetadata
 
 
 def _stages(trees: Sequence[Any] | Mapping[int, Any] | None) -> list[tuple[int, Any]]:
@@ -145,7 +166,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
     if optimizer is not None:
         state_dict[_OPTIM] = _flat_optimizer(optimizer, _optimizer_names(optimizer, model))
     with _quiet():
-        dcp.save(state_dict, checkpoint_id=directory, process_group=process_group)
+        _dcp(process_group).save(state_dict, checkpoint_id=directory,
+                                 process_group=process_group)
 
 
 @contextlib.contextmanager
@@ -161,7 +183,7 @@ def _quiet() -> Iterator[None]:
 def _metadata(directory: str | os.PathLike) -> dict[str, Any]:
     """What the checkpoint holds: DCP key -> its storage metadata (size and dtype)."""
     try:
-        return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+        return _dcp().FileSystemReader(directory).read_metadata().state_dict_metadata
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r} (DCP's .metadata "
                                 f"file is missing)") from None
@@ -170,7 +192,7 @@ def _metadata(directory: str | os.PathLike) -> dict[str, Any]:
 def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any]) -> None:
     for name, (stage, leaf) in model.items():
         saved = held.get(f"{_MODEL}.{name}")
-        if not isinstance(saved, TensorStorageMetadata):
+        if not isinstance(saved, _tensor_metadata()):
             raise KeyError(f"{name!r} (stage {stage}) is not in the checkpoint")
         shape, dtype = tuple(saved.size), saved.properties.dtype
         if shape != tuple(leaf.shape) or dtype != leaf.dtype:
@@ -192,7 +214,7 @@ def _optimizer_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]
         if section in ("state", "param_groups") and name in wanted:
             request[key[len(prefix):]] = (
                 torch.empty(saved.size, dtype=saved.properties.dtype)
-                if isinstance(saved, TensorStorageMetadata) else None)
+                if isinstance(saved, _tensor_metadata()) else None)
     for name in order:
         if not any(k.startswith(f"param_groups.{name}.") for k in request):
             raise KeyError(f"the checkpoint holds no optimizer state for {name!r}")
@@ -273,7 +295,8 @@ def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
         order = _tie_sources(_optimizer_names(optimizer, model), ties, names, held)
         request[_OPTIM] = _optimizer_request(order, held)
     with torch.no_grad(), _quiet():
-        dcp.load(request, checkpoint_id=directory, process_group=process_group)
+        _dcp(process_group).load(request, checkpoint_id=directory,
+                                 process_group=process_group)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, request[_OPTIM]))
     return params if state is None else (params, state)
@@ -300,6 +323,6 @@ def load_module(directory: str | os.PathLike, module: torch.nn.Module,
         state_dict = {_MODEL: model, _OPTIM: optim}
     _metadata(directory)
     with _quiet():
-        dcp.load(state_dict, checkpoint_id=directory)
+        _dcp().load(state_dict, checkpoint_id=directory)
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)

@@ -42,10 +42,13 @@ FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.S | re.M)
 SKIP = re.compile(r"# not run by the tests: (\S.*)")
 SCRIPT = re.compile(r"# ([\w-]+\.py)$")
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
-NEEDS = {"docs/quickstart-hf.md": "transformers"}  # page: the extra's package its blocks import
+# page: the extra's package its blocks import (numpy: DCP on several ranks, the [saving] extra)
+NEEDS = {"docs/quickstart-hf.md": "transformers", "docs/saving.md": "numpy",
+         "docs/scaling-out.md": "numpy"}
 # The blocks that do not run, per page, each with its reason in its first line.
 SKIPPED = {"README.md": 2, "docs/distributed.md": 1, "docs/gpu-checklist.md": 2,
-           "docs/index.md": 1, "docs/quickstart-hf.md": 1}
+           "docs/index.md": 1, "docs/quickstart-hf.md": 1,
+           "docs/scaling-out.md": 4}  # excerpts of examples/scale_out.py, which the page runs
 
 
 @dataclass(frozen=True)

@@ -290,3 +290,16 @@ def test_a_plain_tied_model_s_optimizer_state_resumes_both_copies(tmp_path):
                                    rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(s.params[0]["hidden.weight"], plain.hidden.weight.detach(),
                                rtol=1e-10, atol=1e-12)
+
+
+def test_several_ranks_without_numpy_is_told_what_to_install(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint exchanges its plans through torch's object collectives,
+    which need numpy: on several ranks without it, a clear ImportError before any write."""
+    find_spec = saving.importlib.util.find_spec
+    monkeypatch.setattr(saving.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(saving.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(saving.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "numpy" else find_spec(name, *args))
+    with pytest.raises(ImportError, match=r"several ranks needs numpy.*'fpipe\[saving\]'"):
+        saving.save(tmp_path / "ckpt", [{"w": torch.ones(2)}])
+    assert not (tmp_path / "ckpt").exists()

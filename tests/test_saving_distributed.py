@@ -5,11 +5,16 @@ parallel replicas write their equal tensors once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from distributed_ranks import SAVING_BATCHES, saving_model, spawn
 from torch.distributed.checkpoint import FileSystemReader
 
 from fpipe import saving
+
+# torch.distributed.checkpoint on several ranks needs numpy (the [saving] extra).
+pytestmark = pytest.mark.needs_extra
+pytest.importorskip("numpy")
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 

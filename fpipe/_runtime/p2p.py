@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from fpipe._runtime.autodiff import Value
 from fpipe._runtime.faults import RankFaults
+from fpipe._runtime.gather import all_gather_objects
 from fpipe._runtime.workers import Aborted
 from fpipe.errors import PeerError, StageError
 from fpipe.schedules.actions import Op
@@ -79,7 +80,7 @@ def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Seq
     ``grown`` only the values larger than announced), and over its data-parallel ``replicas``.
 
     ``new_group`` must be called by every rank of the world in the same order, so every rank
-    first learns what every other needs (one ``all_gather_object`` over the world), then all
+    first learns what every other needs (one gather of objects over the world), then all
     make every pipeline's groups in one sorted order: replicas building their pipelines at once
     can neither wait on each other's groups nor pair with the wrong ones. Then this rank
     connects its links."""
@@ -87,8 +88,7 @@ def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Seq
     needs = tuple(sorted({(ranks[a], ranks[b]) for x, y in pairs if x != y
                           for a, b in ((x, y), (y, x))}))
     mine = (tuple(ranks), needs, None if replicas is None else tuple(sorted(replicas)))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_objects(mine)
     pipelines = sorted({theirs[0] for theirs in everyone})
     for a, b in itertools.combinations(pipelines, 2):
         if set(a) & set(b):

@@ -3,10 +3,11 @@ hold its members, by ``all_reduce(SUM)`` over a process group of just those rank
 
 Built collectively with the pipeline. Every rank reads the tie map and checks what it holds
 (:mod:`fpipe._runtime.ties`), then every rank learns every other rank's findings in one
-``all_gather_object``: a bad tie map, a map that differs between ranks, or members on two ranks
-whose shape or dtype differ raise the same error on every rank, before any group exists (never
-one rank raising while the others wait). Copies on one rank are compared there; copies on
-several are compared once, at build, by a MAX and a MIN all-reduce over their group.
+gather of objects (:mod:`fpipe._runtime.gather`): a bad tie map, a map that differs between
+ranks, or members on two ranks whose shape or dtype differ raise the same error on every
+rank, before any group exists (never one rank raising while the others wait). Copies on one
+rank are compared there; copies on several are compared once, at build, by a MAX and a MIN
+all-reduce over their group.
 
 Worker ``w`` of the program runs on global rank ``ranks[w]``. Each set of workers holding some
 tie's members gets one group (ties over the same set share it, and are reduced in one flattened
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime.faults import RankFaults
+from fpipe._runtime.gather import all_gather_objects
 from fpipe._runtime.rank_driver import backend_for
 from fpipe._runtime.ties import assign, check_local, describe, parse, slots, targets, total
 
@@ -53,8 +55,7 @@ class TieGroups:
                  timeout: float, faults: RankFaults) -> None:
         self.rank, self.wire, self.faults = rank, wire, faults
         self.ties, mine = _read(ties, params, len(placement), grad_dtype)
-        records: list = [None] * dist.get_world_size()
-        dist.all_gather_object(records, (tuple(ranks), rank, mine))
+        records = all_gather_objects((tuple(ranks), rank, mine))
         _check_all(records, tuple(ranks))
         self.places = slots(self.ties, params)
         self.targets = targets(self.places, params, grad_dtype)
@@ -82,7 +83,7 @@ class TieGroups:
         """Copies of a tie on several ranks must start equal (they stay equal only if they
         do): each bucket's values are reduced by MAX and by MIN over its group and compared,
         element by element; then every rank of the job learns of every mismatch (one
-        ``all_gather_object``), so all raise alike. Once, at build."""
+        gather of objects (:mod:`fpipe._runtime.gather`)), so all raise alike. Once, at build."""
         leaves = {s: optree.tree_leaves(tree) for s, tree in params.items()}
         differ = []
         for bucket in self.buckets:
@@ -100,9 +101,7 @@ class TieGroups:
                 if not torch.equal(high[offset:end], low[offset:end]):
                     differ.append((describe(self.ties[t], t), bucket.ranks))
                 offset = end
-        records: list = [None] * dist.get_world_size()
-        dist.all_gather_object(records, differ)
-        for found in records:
+        for found in all_gather_objects(differ):
             for tie, ranks in found:
                 raise ValueError(f"{tie}: its copies on ranks {list(ranks)} hold different "
                                  f"values; a tie's copies must start equal: seed every rank "

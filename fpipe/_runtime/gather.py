@@ -1,0 +1,36 @@
+"""Python objects from every rank, without numpy.
+
+fpipe's ranks agree on a few small things when a pipeline is built (who holds what, which
+groups to make, which ties' copies differ). torch's ``all_gather_object`` would do, but it
+decodes through ``Tensor.numpy()``, and fpipe runs without numpy: here the pickled bytes
+travel as ``uint8`` tensors (sizes first, then the padded bytes) and come back through
+``bytes``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_objects"]
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list:
+    """Every rank's ``obj`` of ``group`` (default: the world), in rank order. Collective."""
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if "nccl" in backend and "gloo" not in backend else torch.device("cpu")
+    data = pickle.dumps(obj)
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(n) for n in sizes]
+    buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(buffer) for _ in range(world)]
+    dist.all_gather(gathered, buffer, group=group)
+    return [pickle.loads(bytes(t[:n].tolist())) for t, n in zip(gathered, lengths)]
