@@ -171,20 +171,32 @@ def tied_params() -> list:
     return params
 
 
-def mesh_ties(rank: int, world: int) -> dict:
+def mesh_ties(rank: int, world: int, device: str = "cpu") -> dict:
     """A tie across the two workers of each replica on a (2, 2) mesh: the tie's sum runs over
     each replica's pipeline ranks after the data-parallel mean; then the global norm of the
-    gradients, a tie counted once, summed over the pipeline's ranks."""
-    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    gradients, a tie counted once, summed over the pipeline's ranks. Results come back on
+    the CPU."""
+    device_mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "pp"))
     replica, worker = device_mesh.get_coordinate()
+    here = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     schedule, full = fdist_schedule("1f1b", 2), tied_params()
     held = fdist.my_stages(schedule, 2, mesh=device_mesh)
-    params = {s: full[s] for s in held}
+    params = {s: {k: v.to(here) for k, v in full[s].items()} for s in held}
+    steps = [(x.to(here), t.to(here)) for x, t in mesh_steps()]
     with fdist.pipeline([block, block], params, schedule=schedule, loss_fn=mse,
                         mesh=device_mesh, timeout=20, ties=MESH_TIES) as pipe:
-        steps = _train(pipe, params, mesh_steps(), replica, (4, 4), worker, 1)
-        x, target = mesh_steps()[0]
+        trained = _train(pipe, params, steps, replica, (4, 4), worker, 1)
+        x, target = steps[0]
         _, grads = pipe.value_and_grad(shard(x, replica, (4, 4)) if worker == 0 else None,
                                        shard(target, replica, (4, 4)) if worker == 1 else None)
         norm = global_norm(grads, ties=MESH_TIES, group=device_mesh.get_group("pp"))
-    return {"steps": steps, "norm": norm}
+    cpu = torch.device("cpu")
+    return {"steps": [(loss.to(cpu), {s: {k: v.to(cpu) for k, v in g.items()}
+                                       for s, g in step.items()}) for loss, step in trained],
+            "norm": norm.to(cpu)}
+
+
+def mesh_ties_cuda(rank: int, world: int) -> dict:
+    """:func:`mesh_ties` on four GPUs over NCCL: the tie groups, the data-parallel buckets,
+    fpipe's gather of objects and the norm's all-reduce on CUDA tensors."""
+    return mesh_ties(rank, world, "cuda")

@@ -148,13 +148,14 @@ def test_bad_reduction_options_are_refused(reduce, bucket_mb, match):
         DataParallel.check_options(reduce, bucket_mb)
 
 
-def test_a_tie_across_workers_of_two_replicas_and_its_global_norm():
+def test_a_tie_across_workers_of_two_replicas_and_its_global_norm(
+        scenario: str = "data_parallel_ranks:mesh_ties", backend: str = "gloo"):
     """Stage 0's and stage 1's weights are one tensor (``ties=``) on a (2, 2) mesh: each copy's
     gradient is the shared tensor's over the whole batch, two steps with SGD between keep the
     copies equal, and ``global_norm(..., ties=, group=pp)`` is the one-tensor model's norm."""
     from data_parallel_ranks import tied_params
 
-    results, codes = spawn("data_parallel_ranks:mesh_ties", 4, timeout=120)
+    results, codes = spawn(scenario, 4, timeout=120, backend=backend)
     _ok(results, codes)
 
     def model(shared, x):

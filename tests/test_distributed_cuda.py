@@ -31,3 +31,14 @@ def test_nccl_1f1b_with_large_activations_matches_local(bind_device):
             torch.testing.assert_close(rank_loss, loss)
             assert sorted(rank_grads) == [rank]
             torch.testing.assert_close(rank_grads[rank], grads[rank])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_nccl_mesh_with_a_tie_across_workers_matches_the_cpu_run():
+    """Two replicas x two workers on four GPUs (NCCL): the data-parallel buckets, the tie's
+    group, fpipe's gather of objects and the norm's all-reduce all on CUDA tensors; the same
+    numbers as the gloo run of tests/test_data_parallel.py (float64)."""
+    from test_data_parallel import test_a_tie_across_workers_of_two_replicas_and_its_global_norm
+
+    test_a_tie_across_workers_of_two_replicas_and_its_global_norm(
+        scenario="data_parallel_ranks:mesh_ties_cuda", backend="nccl")
