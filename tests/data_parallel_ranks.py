@@ -200,3 +200,23 @@ def mesh_ties_cuda(rank: int, world: int) -> dict:
     """:func:`mesh_ties` on four GPUs over NCCL: the tie groups, the data-parallel buckets,
     fpipe's gather of objects and the norm's all-reduce on CUDA tensors."""
     return mesh_ties(rank, world, "cuda")
+
+
+def absent(rank: int, world: int) -> dict:
+    """Ranks 0 and 1 build a pipeline on their own group; rank 2 never builds one: building
+    is collective over the world, so 0 and 1 raise a PeerError after their timeout instead
+    of waiting for the group's own (tens of minutes)."""
+    import time
+
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        time.sleep(8)
+        return {"absent": True}
+    start = time.monotonic()
+    try:
+        fdist.pipeline([block, block], {rank: mlp_params(2)[rank]},
+                       schedule=fdist_schedule("1f1b", 2), loss_fn=mse, group=pair, timeout=3)
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        return {"error": type(exc).__name__, "message": str(exc),
+                "waited": time.monotonic() - start}
+    return {"error": None}

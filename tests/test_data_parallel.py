@@ -176,3 +176,12 @@ def test_a_tie_across_workers_of_two_replicas_and_its_global_norm(
     for rank, result in enumerate(results):
         _check(result["steps"], expected, [rank % 2])
         torch.testing.assert_close(result["norm"], norm, **TIGHT)
+
+
+def test_a_rank_that_builds_no_pipeline_is_reported_within_the_timeout():
+    results, codes = spawn("data_parallel_ranks:absent", 3, timeout=60)
+    assert results[2] == {"absent": True}
+    for result in results[:2]:
+        assert result["error"] == "PeerError", result
+        assert "waited 3 s for every rank of the job to build its pipeline" in result["message"]
+        assert result["waited"] < 30

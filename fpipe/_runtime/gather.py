@@ -10,16 +10,24 @@ travel as ``uint8`` tensors (sizes first, then the padded bytes) and come back t
 from __future__ import annotations
 
 import pickle
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fpipe.errors import PeerError
+
 __all__ = ["all_gather_objects"]
 
 
-def all_gather_objects(obj: Any, group: Any = None) -> list:
-    """Every rank's ``obj`` of ``group`` (default: the world), in rank order. Collective."""
+def all_gather_objects(obj: Any, group: Any = None, timeout: float | None = None,
+                       waiting_for: str = "every rank") -> list:
+    """Every rank's ``obj`` of ``group`` (default: the world), in rank order. Collective.
+
+    With ``timeout`` (seconds), a rank that does not come within it (it never calls, or
+    calls later) raises :class:`fpipe.errors.PeerError` here, saying it was ``waiting_for``,
+    rather than waiting for the group's own timeout (tens of minutes)."""
     backend = str(dist.get_backend(group))
     device = torch.device("cuda", torch.cuda.current_device()) \
         if "nccl" in backend and "gloo" not in backend else torch.device("cpu")
@@ -27,7 +35,15 @@ def all_gather_objects(obj: Any, group: Any = None) -> list:
     world = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    work = dist.all_gather(sizes, size, group=group, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise PeerError(f"rank {dist.get_rank()} waited {timeout:g} s for {waiting_for}: "
+                            f"{exc}", None) from exc
     lengths = [int(n) for n in sizes]
     buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)

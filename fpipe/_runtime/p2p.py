@@ -88,7 +88,10 @@ def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Seq
     needs = tuple(sorted({(ranks[a], ranks[b]) for x, y in pairs if x != y
                           for a, b in ((x, y), (y, x))}))
     mine = (tuple(ranks), needs, None if replicas is None else tuple(sorted(replicas)))
-    everyone = all_gather_objects(mine)
+    everyone = all_gather_objects(
+        mine, timeout=timeout,
+        waiting_for="every rank of the job to build its pipeline: building is collective over "
+                    "the whole world (every rank builds its own, every replica's at once)")
     pipelines = sorted({theirs[0] for theirs in everyone})
     for a, b in itertools.combinations(pipelines, 2):
         if set(a) & set(b):
