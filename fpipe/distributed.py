@@ -421,10 +421,12 @@ class DistributedPipeline:
         self.driver.calls += 1
         seed = StepSeed([self.device])
         try:
-            n, seed_value = self.driver.faults.guarded(
-                lambda: self.driver.header(x, seed.seed, call))
+            n, seed_value, error = self.driver.faults.guarded(
+                lambda: self.driver.header(x, target, seed.seed, call))
         finally:
             seed.restore()
+        if error is not None:  # every rank knows it, so every rank raises it by itself
+            raise error
         replica = None
         if self.data_parallel is not None and training:
             # Every replica learns the global batch; a shard too small stops them all.

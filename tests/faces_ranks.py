@@ -47,6 +47,9 @@ def run(build, args, params_of) -> dict:
     out["no stages"] = _outcome(lambda: build([], params_of([]), loss_fn=mse))
     with build([block, block], params_of(full), loss_fn=mse) as pipe:
         out["target"] = _outcome(lambda: pipe.value_and_grad(*args(x, target[:3])))
+        out["target after"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+        out["no input"] = _outcome(lambda: pipe.value_and_grad(None, args(x, target)[1]))
+        out["no input after"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
     cursed_x = x.clone()
     cursed_x[2, 0] = 99
     with build([cursed, block], params_of(full), loss_fn=mse) as pipe:

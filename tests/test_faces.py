@@ -62,12 +62,20 @@ def test_wrong_parameter_structure_per_call(faces):
 
 
 def test_errors_seen_on_one_rank(faces):
-    """A target of the wrong size (on the last stage's rank) and a stage raising (on its
-    rank) raise there as in the local face; the other rank raises an error naming them."""
+    """A target of the wrong size (given on the last stage's rank) raises the local face's
+    BatchError on every rank, before any value is exchanged (the sizes travel in the step's
+    header), and the pipeline runs on; a stage raising (on its rank) raises there as in the
+    local face, and the other rank raises an error naming it."""
     local, ranks = faces
-    assert ranks[1]["target"] == local["target"]
-    assert local["target"][1] == "BatchError"
-    assert "BatchError" in ranks[0]["target"][2] and "rank 1" in ranks[0]["target"][2]
+    assert local["target"][:2] == ("error", "BatchError")
+    assert ranks[0]["target"] == ranks[1]["target"] == local["target"]
+    for after in (local["target after"], ranks[0]["target after"], ranks[1]["target after"]):
+        assert after[0] == "ok", after
+        torch.testing.assert_close(after[1][0], local["target after"][1][0], rtol=0, atol=0)
+    # No input on the rank of stage 0: every rank says so, and the pipeline runs on.
+    assert ranks[0]["no input"] == ranks[1]["no input"] == (
+        "error", "BatchError", "rank 0 holds stage 0, so it needs the input x")
+    assert ranks[0]["no input after"][0] == ranks[1]["no input after"][0] == "ok"
     assert ranks[0]["raises"] == local["raises"] == ("error", "ValueError",
                                                       "sample 99 is cursed")
     assert ranks[1]["raises"][1] == "StageError"

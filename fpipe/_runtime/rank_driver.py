@@ -71,27 +71,39 @@ class RankDriver:
         """``program`` validated and compiled (once)."""
         return compiled(self._compiled, program, training, stateful)
 
-    def header(self, x: Any, seed: int, call: int) -> tuple[int, int]:
-        """The batch size and the step's seed, from the rank of stage 0 to all, with what that
-        rank was called for (``CALLS[call]``, and how many calls it made): ranks whose calls
-        differ stop rather than exchange wrong values."""
-        first = self.program.placement[0]
+    def header(self, x: Any, target: Any, seed: int,
+               call: int) -> tuple[int, int, BatchError | None]:
+        """The batch size and the step's seed, agreed by every rank before any action: one
+        all-reduce (a sum) of a few integers, each filled by the rank that knows it. The rank
+        of stage 0 gives the batch size, the seed and what it was called for
+        (``CALLS[call]``, and how many calls it made), or says it has no input; the rank of
+        the last stage gives its target's batch size. So a missing input or a target of another
+        size is known to every rank before any value is exchanged: returned as the third item,
+        for every rank to raise alike, the pipeline usable after it. Ranks called differently
+        raise here (out of step, they stop)."""
+        first, last = self.program.placement[0], self.program.placement[-1]
         mine = (call, self.calls)
-        header = torch.zeros(4, dtype=torch.int64, device=self.wire)
+        header = torch.zeros(6, dtype=torch.int64, device=self.wire)
         if self.rank == first:
-            if x is None:
-                raise BatchError(f"rank {self.rank} holds stage 0, so it needs the input x")
-            header[:] = torch.tensor([microbatch.batch_size(x, "input"), seed, *mine])
+            n = microbatch.batch_size(x, "input") if x is not None else 0
+            header[:5] = torch.tensor([n, seed, *mine, int(x is None)])
+        if self.rank == last and call == 1 and target is not None:
+            header[5] = microbatch.batch_size(target, "target") + 1
         first = self.ranks[first]
-        self.faults.wait(dist.broadcast(header, first, group=self.group, async_op=True),
+        self.faults.wait(dist.all_reduce(header, group=self.group, async_op=True),
                          f"the batch size from rank {first}", first)
-        n, seed, *theirs = header.tolist()
-        if tuple(theirs) != mine:
+        n, seed, call_first, calls_first, no_input, target_size = header.tolist()
+        if no_input:
+            return n, seed, BatchError(f"rank {first} holds stage 0, so it needs the input x")
+        if (call_first, calls_first) != mine:
             raise RuntimeError(f"rank {self.ranks[self.rank]} was called for "
                                f"{_call_name(*mine)} but rank {first} for "
-                               f"{_call_name(*theirs)}: every rank must make the same calls "
-                               f"in the same order")
-        return n, seed
+                               f"{_call_name(call_first, calls_first)}: every rank must make "
+                               f"the same calls in the same order")
+        if target_size and target_size - 1 != n:
+            return n, seed, BatchError(f"the input has {n} samples but the target has "
+                                       f"{target_size - 1}")
+        return n, seed, None
 
     def channel(self, program: Program, training: bool, plan: tuple) -> RankChannel:
         """A step's channel: its receives are posted at once."""
