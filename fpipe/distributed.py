@@ -47,6 +47,7 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
 from fpipe._runtime.interpreter import Interpreter
+from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params
 from fpipe._runtime.rank_calls import Calls
 from fpipe._runtime.rank_driver import RankDriver, backend_for
@@ -223,6 +224,9 @@ class DistributedPipeline:
         self.data_parallel = None if data_parallel is None else self._replicas(
             replicas, grad_reduce, bucket_mb)
         self._calls = Calls(self.driver.faults)
+        self._times = StepTimes()
+        logger.info("%r: ranks %s%s", self, list(self.ranks),
+                    "" if replicas is None else f", replicas on ranks {list(replicas)}")
         # Collective: every rank checks the tie map and makes the tie groups alike.
         self._ties = TieGroups(ties, self.params, program.placement, self.ranks, self.rank,
                                self.device, self.wire, grad_dtype, timeout, self.driver.faults)
@@ -389,7 +393,8 @@ class DistributedPipeline:
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
               record: Recorder | None) -> tuple[Step, tuple | None, _Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
-        with self._calls.alone():
+        what = f"{'training' if training else 'forward'} step on rank {self.rank}"
+        with self._calls.alone(), self._times.step(what):
             step, channel, replica = self._begin(program, int(training), x, target, params,
                                                  state, record)
             plan = self.driver.plan(program, training, self.stateful)

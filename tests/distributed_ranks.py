@@ -673,3 +673,29 @@ def ties(rank: int, world: int) -> dict:
 
 
 SCENARIOS["ties"] = ties
+
+
+def logged(rank: int, world: int) -> dict:
+    """What ``logging.getLogger("fpipe")`` hears on each rank: the pipeline built, each step
+    with its duration, a step that failed."""
+    import logging
+
+    records: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append((record.levelname, record.getMessage()))
+
+    logger = logging.getLogger("fpipe")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.DEBUG)
+    x, target = data(8, 8, seed=50)
+    with fdist.pipeline([block, block], {rank: mlp_params(2)[rank]},
+                        schedule=fdist_schedule("1f1b", 2), loss_fn=mse, timeout=20) as pipe:
+        pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None)
+        pipe(x if rank == 0 else None)
+        _outcome(pipe.value_and_grad, x if rank == 0 else None, target[:3] if rank else None)
+    return {"records": records}
+
+
+SCENARIOS["logged"] = logged

@@ -70,3 +70,20 @@ def test_a_slow_step_is_logged(caplog, monkeypatch):
             pass
     [record] = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "training step took 50.0 ms, 5.0x the median" in record.getMessage()
+
+
+def test_a_distributed_pipeline_logs_as_the_local_one():
+    from distributed_ranks import spawn
+
+    results, codes = spawn("logged", 2)
+    assert codes == [0, 0], results
+    for rank, result in enumerate(results):
+        records = result["records"]
+        assert records[0][0] == "INFO"
+        assert records[0][1].startswith(f"DistributedPipeline(rank {rank}, worker {rank} of 2")
+        steps = [(level, m.split(" took")[0]) for level, m in records if " took " in m]
+        assert steps == [("DEBUG", f"training step on rank {rank}"),
+                         ("DEBUG", f"forward step on rank {rank}")]
+        [(level, failed)] = [r for r in records if "failed" in r[1]]
+        assert level == "WARNING" and failed.startswith(f"training step on rank {rank} failed")
+        assert "BatchError: the input has 8 samples but the target has 3" in failed
