@@ -55,7 +55,8 @@ class TieGroups:
                  timeout: float, faults: RankFaults) -> None:
         self.rank, self.wire, self.faults = rank, wire, faults
         self.ties, mine = _read(ties, params, len(placement), grad_dtype)
-        records = all_gather_objects((tuple(ranks), rank, mine))
+        records = all_gather_objects((tuple(ranks), rank, mine), timeout=timeout,
+                                     waiting_for="every rank's tie map")
         _check_all(records, tuple(ranks))
         self.places = slots(self.ties, params)
         self.targets = targets(self.places, params, grad_dtype)
@@ -101,7 +102,8 @@ class TieGroups:
                 if not torch.equal(high[offset:end], low[offset:end]):
                     differ.append((describe(self.ties[t], t), bucket.ranks))
                 offset = end
-        for found in all_gather_objects(differ):
+        for found in all_gather_objects(differ, timeout=self.faults.timeout,
+                                        waiting_for="every rank's tied values"):
             for tie, ranks in found:
                 raise ValueError(f"{tie}: its copies on ranks {list(ranks)} hold different "
                                  f"values; a tie's copies must start equal: seed every rank "
