@@ -172,6 +172,26 @@ MUTANTS = (
            "blob = b\"\" if known is not None and _same(known.meta, meta) else",
            "blob = b\"\" if known is not None else",
            ("tests/test_distributed.py::test_training_with_a_new_sequence_length_every_step",)),
+    # -- scaling out (issue 16) ----------------------------------------------------------------
+    Mutant("replicas' gradients averaged equally, not by their shares of the batch",
+           "_runtime/data_parallel.py", "flat.mul_(self.share)",
+           "flat.mul_(1 / len(self.dp.ranks))",
+           ("tests/test_data_parallel.py::"
+            "test_explicit_groups_uneven_shards_vjp_and_gradients_left_alone",), quick=True),
+    Mutant("a tie's copies on several ranks not summed", "_runtime/tie_groups.py",
+           "self._bucket(group, members, [t for t, s in enumerate(spans) if s == span])",
+           "None",
+           ("tests/test_ties.py::test_distributed_ties",)),
+    Mutant("a tie's value not drawn before the stages'", "stages/materialize.py",
+           "        _initialise(owner, init, done)\n        values.append(",
+           "        values.append(",
+           ("tests/test_meta_init.py",)),
+    Mutant("a checkpoint keyed by stage-local names though names are given", "saving.py",
+           "name = local if table is None else table[local]", "name = local",
+           ("tests/test_saving.py",), quick=True),
+    Mutant("the target's size not told to the other ranks", "_runtime/rank_driver.py",
+           "header[5] = microbatch.batch_size(target, \"target\") + 1", "header[5] = 0",
+           ("tests/test_faces.py",)),
 )
 
 
