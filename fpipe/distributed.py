@@ -7,9 +7,10 @@ shapes repeat, receives posted ahead, shapes free to change from step to step, n
 gloo or NCCL). This module is the public face: checks, micro-batching and results, as
 ``fpipe.pipeline``'s, with the same shared checks (:mod:`fpipe._runtime.engine`,
 :mod:`fpipe._runtime.placement`). :class:`fpipe._runtime.rank_driver.RankDriver` runs each step
-in lockstep: a header broadcast from the rank of stage 0 (the batch size, the step's random
-seed, what that rank was called for: ranks called differently raise, not mix), this rank's
-actions, the loss broadcast from the rank of the last stage.
+in lockstep: a header all-reduced by the pipeline's ranks (the batch size, the step's random
+seed and what it was called for from the rank of stage 0, the target's size from the rank of
+the last: ranks called differently raise, not mix), this rank's actions, the loss broadcast
+from the rank of the last stage.
 
 Failure (:mod:`fpipe._runtime.faults`): every wait is bounded by ``timeout``. A rank whose stage
 raises re-raises the stage's own exception (fpipe's own detections are
@@ -56,7 +57,7 @@ from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.tie_groups import TieGroups
-from fpipe.errors import BatchError, NonFiniteLossError, PlacementError
+from fpipe.errors import NonFiniteLossError, PlacementError
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.timeline import Recorder
@@ -453,9 +454,7 @@ class DistributedPipeline:
         if self.worker == owners[0]:
             inputs = [flatten(mb) for mb in microbatch.split(to(x, self.device), self.chunks)]
         if self.worker == owners[last] and training and not open_ended and target is not None:
-            m = microbatch.batch_size(target, "target")
-            if m != n:
-                raise BatchError(f"the input has {n} samples but the target has {m}")
+            # its size was checked against n by every rank, in the header
             targets = microbatch.split(to(target, self.device), self.chunks, "target")
         clock = None if record is None else record.clock(
             owners, program.n_workers, [self.device] * program.n_stages)
@@ -464,6 +463,7 @@ class DistributedPipeline:
                     lambda: None, ends=Vjp(len(sizes)) if open_ended else None, clock=clock)
         plan = self.driver.plan(program, training, self.stateful)
         return step, self.driver.channel(program, training, plan)
+
 
 class _Replica(NamedTuple):
     """A data-parallel training step's part: this replica's share of the global batch and
