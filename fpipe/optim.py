@@ -12,14 +12,14 @@ tensors, so the scaling is done here.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.trees import leaf_names
+from fpipe._runtime.gather import collective_device
+from fpipe._runtime.trees import leaf_names, stage_items
 
 __all__ = ["bind_grads", "sgd", "global_norm", "clip_grad_norm"]
 
@@ -77,7 +77,7 @@ def _counted(grads: Any, ties: Any) -> list[torch.Tensor]:
     """The gradient leaves a norm counts: every one but the copies of a tie after its first
     (lowest stage) member."""
     copies = {member for tie in ties for member in sorted(tie)[1:]}
-    stages = grads.items() if isinstance(grads, Mapping) else enumerate(grads)
+    stages = stage_items(grads)
     if not copies:
         return [leaf for _, tree in stages for leaf in optree.tree_leaves(tree)]
     return [leaf for stage, tree in stages
@@ -87,9 +87,7 @@ def _counted(grads: Any, ties: Any) -> list[torch.Tensor]:
 
 def _group_norm(norm: torch.Tensor, group: Any) -> torch.Tensor:
     """``norm`` of this rank's leaves -> the norm over every rank of ``group``."""
-    wire = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    square = norm.detach().to(wire, torch.float64).square()
+    square = norm.detach().to(collective_device(group), torch.float64).square()
     dist.all_reduce(square, group=group)
     return square.sqrt().to(norm.device, norm.dtype)
 

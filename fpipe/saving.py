@@ -36,7 +36,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.trees import leaf_names
+from fpipe._runtime.trees import leaf_names, stage_items
 
 __all__ = ["save", "load", "load_module", "names"]
 
@@ -70,22 +70,12 @@ def _tensor_metadata() -> type:
     return TensorStorageMetadata
 
 
-def _stages(trees: Sequence[Any] | Mapping[int, Any] | None) -> list[tuple[int, Any]]:
-    """``(stage, pytree)`` pairs of a list (every stage) or a ``{stage: pytree}`` dict (a
-    distributed rank's stages)."""
-    if trees is None:
-        return []
-    if isinstance(trees, Mapping):
-        return sorted(trees.items())
-    return list(enumerate(trees))
-
-
 def _model_names(params: Any, state: Any, rename: Any) -> dict[str, tuple[int, torch.Tensor]]:
     """Model name -> ``(stage, leaf)`` for every leaf of ``params`` and ``state``, refusing a
     leaf ``rename`` misses, a leaf that is not a tensor and two leaves under one name."""
     found: dict[str, tuple[int, torch.Tensor]] = {}
     for what, trees in (("params", params), ("state", state)):
-        for stage, tree in _stages(trees):
+        for stage, tree in stage_items(trees):
             table = None if rename is None else _names_of(rename, stage)
             for local, leaf in zip(names(tree), optree.tree_leaves(tree)):
                 if not isinstance(leaf, torch.Tensor):

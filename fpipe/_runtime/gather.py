@@ -18,7 +18,16 @@ import torch.distributed as dist
 
 from fpipe.errors import PeerError
 
-__all__ = ["all_gather_objects"]
+__all__ = ["all_gather_objects", "collective_device"]
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: this process's current GPU on NCCL,
+    the CPU on gloo (or a group with both backends)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_gather_objects(obj: Any, group: Any = None, timeout: float | None = None,
@@ -28,9 +37,7 @@ def all_gather_objects(obj: Any, group: Any = None, timeout: float | None = None
     With ``timeout`` (seconds), a rank that does not come within it (it never calls, or
     calls later) raises :class:`fpipe.errors.PeerError` here, saying it was ``waiting_for``,
     rather than waiting for the group's own timeout (tens of minutes)."""
-    backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if "nccl" in backend and "gloo" not in backend else torch.device("cpu")
+    device = collective_device(group)
     data = pickle.dumps(obj)
     world = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)

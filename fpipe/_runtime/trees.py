@@ -10,13 +10,14 @@ optree does not, with torch's own flatten and unflatten functions.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
 import torch.utils._pytree as torch_pytree
 
-__all__ = ["NAMESPACE", "tree_flatten", "tree_flatten_with_path", "tree_map", "leaf_names"]
+__all__ = ["NAMESPACE", "tree_flatten", "tree_flatten_with_path", "tree_map", "leaf_names",
+           "stage_items"]
 
 NAMESPACE = "fpipe"
 _adopted: set[type] = set()
@@ -52,6 +53,16 @@ def leaf_names(tree: Any) -> list[str]:
     spells names the same way; ties (``ties=``) are declared in these names."""
     paths, _, _ = optree.tree_flatten_with_path(tree)
     return [".".join(str(key) for key in path) for path in paths]
+
+
+def stage_items(trees: Sequence[Any] | Mapping[int, Any] | None) -> list[tuple[int, Any]]:
+    """``(stage, pytree)`` pairs of one pytree per stage (a list, every stage) or of a
+    ``{stage: pytree}`` dict (a distributed rank's stages), in stage order."""
+    if trees is None:
+        return []
+    if isinstance(trees, Mapping):
+        return sorted(trees.items())
+    return list(enumerate(trees))
 
 
 def _adopt(leaves: list) -> bool:
