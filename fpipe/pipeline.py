@@ -20,6 +20,7 @@ from fpipe._runtime.driver import LocalDriver
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
+    check_training,
     input_grads,
     nonfinite_error,
     output_cotangent,
@@ -251,10 +252,8 @@ class Pipeline:
                      state: Sequence[Any] | None, training: bool = False) -> tuple:
         """What every call starts from: parameter leaves, states, the batch size, the input's
         micro-batches (flattened, on the first stage's device) and their sizes."""
-        if training and torch.is_inference_mode_enabled():
-            raise RuntimeError("a training step cannot run under torch.inference_mode(): "
-                               "tensors made there take no part in autograd; call pipe(x) "
-                               "for a forward-only step")
+        if training:
+            check_training()
         leaves, states = self._param_leaves(params), self._state(state)
         n = microbatch.batch_size(x, "input")
         inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
