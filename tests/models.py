@@ -10,6 +10,7 @@ from pathlib import Path
 import optree
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.func import grad_and_value
 
 from fpipe.schedules import Program
@@ -110,3 +111,25 @@ def load_example(name: str):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     return example
+
+
+class TiedEmbed(nn.Module):
+    """A stage over ``model.wte`` (as ``embed``): the first half of a tied embedding/head."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.embed = model.wte
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+
+class TiedHead(nn.Module):
+    """A stage over ``model.lm_head`` (as ``head``): the other half."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.head = model.lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from models import TiedEmbed, TiedHead
 from torch import nn
 
 import fpipe
@@ -26,26 +27,8 @@ class Tiny(nn.Module):
             self.lm_head.weight = self.wte.weight
 
 
-class Embed(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.embed = model.wte
-
-    def forward(self, ids):
-        return self.embed(ids)
-
-
-class Head(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.head = model.lm_head
-
-    def forward(self, h):
-        return self.head(h)
-
-
 def cut(model):
-    return [Embed(model), model.body, Head(model)]
+    return [TiedEmbed(model), model.body, TiedHead(model)]
 
 
 def reference(seed):
@@ -188,7 +171,7 @@ def test_a_parameter_without_an_initialiser_is_an_error_unless_init_is_given():
 def test_a_tensor_shared_within_a_stage_stays_shared():
     with torch.device("meta"):
         model = Tiny()
-    s = from_modules([nn.Sequential(Embed(model), Head(model))], root=model, stateful=False)
+    s = from_modules([nn.Sequential(TiedEmbed(model), TiedHead(model))], root=model, stateful=False)
     assert s.ties == () and list(s.params[0]) == ["0.embed.weight"]
     assert model.wte.weight is model.lm_head.weight and not model.wte.weight.is_meta
     assert s.names == [{"0.embed.weight": "wte.weight"}]

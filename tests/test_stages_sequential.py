@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from models import load_example
+from models import TiedEmbed, TiedHead, load_example
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
@@ -391,24 +391,6 @@ class Tiny(nn.Module):
         self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh())
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
-
-
-class TiedEmbed(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.embed = model.wte
-
-    def forward(self, ids):
-        return self.embed(ids)
-
-
-class TiedHead(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.head = model.lm_head
-
-    def forward(self, h):
-        return self.head(h)
 
 
 def tiny_stages(model):
