@@ -224,7 +224,7 @@ class DistributedPipeline:
         self.group, self.wire = self.driver.group, self.driver.wire
         self.data_parallel = None if data_parallel is None else self._replicas(
             replicas, grad_reduce, bucket_mb)
-        self._calls = Calls(self.driver.faults)
+        self._calls = Calls(self.driver.faults, self._forget)
         self._times = StepTimes()
         logger.info("%r: ranks %s%s", self, list(self.ranks),
                     "" if replicas is None else f", replicas on ranks {list(replicas)}")
@@ -295,6 +295,10 @@ class DistributedPipeline:
                 dist.barrier(group=self.data_parallel.group, async_op=True),
                 "its data-parallel replicas to close the pipeline", self.data_parallel.peer)
         self.driver.close()
+
+    def _forget(self) -> None:
+        self.group = self.data_parallel = self._ties = None
+        self.driver.forget()
 
     def __enter__(self) -> DistributedPipeline:
         return self

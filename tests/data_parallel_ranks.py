@@ -154,11 +154,28 @@ def closing(rank: int, world: int) -> dict:
             after = None
         except RuntimeError as exc:
             after = str(exc)
-        out.append((loss, after))
+        out.append((loss, after, pipe.group is None and not pipe.driver.links))
         dist.destroy_process_group()
         store = dist.PrefixStore(f"round{round_}", distributed_ranks.STORE)
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
     return {"rounds": out}
+
+
+def unclosed(rank: int, world: int) -> dict:
+    """A pipeline never closed, kept alive by a reference cycle past the script's end: the
+    exit hook drops its groups while the interpreter still runs."""
+    from fpipe._runtime import rank_calls
+
+    schedule, full = fdist_schedule("1f1b", 2), mlp_params(2)
+    full[1]["b"] = full[0]["b"].clone()
+    x, target = data(4, 8, seed=33)
+    pipe = fdist.pipeline([block, block], {rank: full[rank]}, schedule=schedule, loss_fn=mse,
+                          timeout=20, ties=[[(0, "b"), (1, "b")]])
+    pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None)
+    pipe.cycle = pipe
+    before = pipe._calls in rank_calls._OPEN and pipe.group is not None
+    rank_calls._forget_all()  # what the interpreter's exit runs
+    return {"before": before, "after": (pipe.group, pipe.driver.links, pipe._ties)}
 
 
 #: The tie of :func:`mesh_ties`: the two stages' weight matrices are one tensor.

@@ -100,8 +100,17 @@ def test_close_then_destroy_process_group_is_safe_and_later_calls_raise():
     _ok(results, codes)
     for result in results:
         assert len(result["rounds"]) == 3
-        for _, after in result["rounds"]:
+        for _, after, released in result["rounds"]:
             assert "was closed" in after
+            assert released  # no reference left to fpipe's groups
+
+
+def test_a_pipeline_never_closed_lets_go_of_its_groups_at_exit():
+    results, codes = spawn("data_parallel_ranks:unclosed", 2, timeout=120)
+    _ok(results, codes)  # and both processes exited cleanly
+    for result in results:
+        assert result["before"]
+        assert result["after"] == (None, {}, None)
 
 
 def test_a_stage_gradients_are_reduced_as_soon_as_they_are_final():

@@ -150,6 +150,14 @@ class RankDriver:
                          "every rank of the pipeline to close it", self.ranks[0])
         for group in self.faults.groups:
             dist.destroy_process_group(group)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop this driver's references to its process groups, so that each is destroyed now,
+        while the interpreter runs, and not at its teardown (where gloo's work threads may
+        still hold tensors whose release needs the interpreter)."""
+        self.group = self.dp_group = None
+        self.links = {}
         self.faults.groups = []
 
     def finish(self, step: Step, channel: RankChannel, training: bool) -> tuple | None:
