@@ -50,6 +50,10 @@ def run(build, args, params_of) -> dict:
         out["target after"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
         out["no input"] = _outcome(lambda: pipe.value_and_grad(None, args(x, target)[1]))
         out["no input after"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+        ragged = {"a": x, "b": x[:3]}  # refused before any stage sees it
+        out["ragged input"] = _outcome(lambda: pipe.value_and_grad(*args(ragged, target)))
+        out["unbatched target"] = _outcome(lambda: pipe.value_and_grad(*args(x, {"t": 3.0})))
+        out["bad batch after"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
     cursed_x = x.clone()
     cursed_x[2, 0] = 99
     with build([cursed, block], params_of(full), loss_fn=mse) as pipe:

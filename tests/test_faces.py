@@ -80,3 +80,17 @@ def test_errors_seen_on_one_rank(faces):
                                                       "sample 99 is cursed")
     assert ranks[1]["raises"][1] == "StageError"
     assert "sample 99 is cursed" in ranks[1]["raises"][2]
+
+
+@pytest.mark.parametrize("case, holder", [("ragged input", 0), ("unbatched target", 1)])
+def test_an_input_or_target_without_one_batch_size_stops_every_rank_alike(faces, case, holder):
+    """Refused in the step's header: the rank holding it raises the local face's BatchError,
+    the other rank a BatchError naming that rank, and the pipeline runs on."""
+    local, ranks = faces
+    assert local[case][:2] == ("error", "BatchError")
+    assert ranks[holder][case] == local[case]
+    other = ranks[1 - holder][case]
+    assert other[:2] == ("error", "BatchError") and f"on rank {holder}" in other[2], other
+    for result in (local, *ranks):
+        assert result["bad batch after"][0] == "ok", result["bad batch after"]
+

@@ -77,30 +77,38 @@ class RankDriver:
         """The batch size and the step's seed, agreed by every rank before any action: one
         all-reduce (a sum) of a few integers, each filled by the rank that knows it. The rank
         of stage 0 gives the batch size, the seed and what it was called for
-        (``CALLS[call]``, and how many calls it made), or says it has no input; the rank of
-        the last stage gives its target's batch size. So a missing input or a target of another
-        size is known to every rank before any value is exchanged: returned as the third item,
-        for every rank to raise alike, the pipeline usable after it. Ranks called differently
-        raise here (out of step, they stop)."""
+        (``CALLS[call]``, and how many calls it made), or says its input is missing or has no
+        batch size; the rank of the last stage gives its target's batch size, or says it has
+        none. So a bad input or target is known to every rank before any value is exchanged:
+        returned as the third item, for every rank to raise alike (the rank that holds it with
+        the details), the pipeline usable after it. Ranks called differently raise here (out
+        of step, they stop)."""
         first, last = self.program.placement[0], self.program.placement[-1]
         mine = (call, self.calls)
-        header = torch.zeros(6, dtype=torch.int64, device=self.wire)
+        header = torch.zeros(7, dtype=torch.int64, device=self.wire)
+        errors: dict[str, BatchError] = {}
         if self.rank == first:
-            n = microbatch.batch_size(x, "input") if x is not None else 0
-            header[:5] = torch.tensor([n, seed, *mine, int(x is None)])
+            n = _size(x, "input", errors) if x is not None else 0
+            header[:5] = torch.tensor([n, seed, *mine, _status(x, "input", errors)])
         if self.rank == last and call == 1 and target is not None:
-            header[5] = microbatch.batch_size(target, "target") + 1
-        first = self.ranks[first]
+            header[5] = _size(target, "target", errors) + 1
+            header[6] = _status(target, "target", errors)
+        first_rank, last_rank = self.ranks[first], self.ranks[last]
         self.faults.wait(dist.all_reduce(header, group=self.group, async_op=True),
-                         f"the batch size from rank {first}", first)
-        n, seed, call_first, calls_first, no_input, target_size = header.tolist()
-        if no_input:
-            return n, seed, BatchError(f"rank {first} holds stage 0, so it needs the input x")
+                         f"the batch size from rank {first_rank}", first_rank)
+        n, seed, call_first, calls_first, input_status, target_size, target_status = (
+            header.tolist())
+        if input_status:
+            return n, seed, errors.get("input") or _batch_error(input_status, "input",
+                                                                 first_rank)
         if (call_first, calls_first) != mine:
             raise RuntimeError(f"rank {self.ranks[self.rank]} was called for "
-                               f"{_call_name(*mine)} but rank {first} for "
+                               f"{_call_name(*mine)} but rank {first_rank} for "
                                f"{_call_name(call_first, calls_first)}: every rank must make "
                                f"the same calls in the same order")
+        if target_status:
+            return n, seed, errors.get("target") or _batch_error(target_status, "target",
+                                                                  last_rank)
         if target_size and target_size - 1 != n:
             return n, seed, BatchError(f"the input has {n} samples but the target has "
                                        f"{target_size - 1}")
@@ -184,3 +192,26 @@ class RankDriver:
 
 def _call_name(call: int, count: int) -> str:
     return f"{CALLS[call]} (call {count})"
+
+
+def _size(tree: Any, what: str, errors: dict) -> int:
+    """``tree``'s batch size, or 0 with its :class:`BatchError` kept in ``errors[what]``."""
+    try:
+        return microbatch.batch_size(tree, what)
+    except BatchError as error:
+        errors[what] = error
+        return 0
+
+
+def _status(tree: Any, what: str, errors: dict) -> int:
+    """What the header says of an input or target: 0 fine, 1 missing, 2 without one batch
+    size (the rank that holds it keeps the details in ``errors``)."""
+    return 1 if tree is None else 2 if what in errors else 0
+
+
+def _batch_error(status: int, what: str, rank: int) -> BatchError:
+    """The error every other rank raises for a bad input or target on ``rank``."""
+    if status == 1:
+        return BatchError(f"rank {rank} holds stage 0, so it needs the input x")
+    return BatchError(f"the {what} on rank {rank} has no single batch size (dim 0) to split "
+                      f"into micro-batches; rank {rank} raised the details")
