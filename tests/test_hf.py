@@ -171,12 +171,17 @@ def test_a_model_output_crosses_a_stage_boundary():
 
 
 def test_hf_gradient_checkpointing_inside_a_stage():
-    """``gradient_checkpointing_enable()`` on an HF model called in a stage: the default
-    autodiff differentiates through its checkpoints; gradients equal the model's own."""
+    """HF's activation checkpointing (``gradient_checkpointing_enable()`` before 5.x) on a
+    model called in a stage: the default autodiff differentiates through its checkpoints;
+    gradients equal the model's own."""
     from torch.func import functional_call
 
     body = tiny_gpt2()
-    body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reentrant = {"use_reentrant": False}
+    if hasattr(body, "activation_checkpointing_enable"):  # its name from transformers 5.x
+        body.activation_checkpointing_enable(activation_checkpointing_kwargs=reentrant)
+    else:
+        body.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
     body.train()
 
     def encoder(p, ids):
