@@ -303,8 +303,11 @@ class DistributedPipeline:
     def __enter__(self) -> DistributedPipeline:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, error_type: Any, error: BaseException | None, trace: Any) -> None:
+        if error is None:
+            self.close()
+        else:  # this rank leaves on an error: the others learn it now, not at their timeout
+            self._calls.abandon(error)
 
     def __repr__(self) -> str:
         return (f"DistributedPipeline(rank {self.rank}, worker {self.worker} of "

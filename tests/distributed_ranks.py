@@ -513,7 +513,35 @@ def vjp(rank: int, world: int) -> dict:
     return out
 
 
-SCENARIOS = {"parity": parity, "stage_raises": stage_raises, "rank_dies": rank_dies,
+def leaving(rank: int, world: int) -> dict:
+    """Rank 1 leaves a ``with`` block on its own error, twice: while rank 0 runs another step,
+    then while rank 0 closes. Rank 0 must learn it at once (the timeout, 300 s, is far longer
+    than the test's), and a new pipeline works after."""
+    schedule, full = fdist_schedule("1f1b", 2), mlp_params(2)
+    x, target = data(4, 8, seed=33)
+    args = (x if rank == 0 else None, target if rank == 1 else None)
+    out = {}
+    for round_, then in enumerate(("step", "close")):
+        try:
+            with fdist.pipeline([block, block], {rank: full[rank]}, schedule=schedule,
+                                loss_fn=mse, timeout=300) as pipe:
+                pipe.value_and_grad(*args)
+                if rank == 1:
+                    raise KeyError(f"rank 1 gives up in round {round_}")
+                if then == "step":
+                    pipe.value_and_grad(*args)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            out[then] = (type(exc).__name__, str(exc))
+        else:
+            out[then] = None
+    with fdist.pipeline([block, block], {rank: full[rank]}, schedule=schedule, loss_fn=mse,
+                        timeout=20) as pipe:
+        out["after"] = pipe.value_and_grad(*args)[0]
+    return out
+
+
+SCENARIOS = {"parity": parity, "leaving": leaving, "stage_raises": stage_raises,
+             "rank_dies": rank_dies,
              "rank_stalls": rank_stalls, "stateful": stateful, "large": large,
              "large_cuda": large_cuda, "concurrent": concurrent,
              "options": options, "seqlen": seqlen,

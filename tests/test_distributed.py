@@ -246,6 +246,19 @@ def test_a_dying_rank_does_not_leave_the_others_hanging():
         assert "waited" not in result["message"], result  # no rank waited out its timeout
 
 
+def test_a_rank_leaving_its_with_block_on_an_error_stops_the_others_at_once():
+    """No rank waits out its 300 s timeout (the spawn's own timeout is 120 s): the one that
+    leaves keeps its error; the other, in a step or in close(), raises an error naming it."""
+    results, codes = spawn("leaving", 2, timeout=120)
+    assert codes == [0, 0], results
+    for round_, then in enumerate(("step", "close")):
+        assert results[1][then] == ("KeyError", f"'rank 1 gives up in round {round_}'")
+        kind, message = results[0][then]
+        assert kind == "PeerError", results[0][then]
+        assert "rank 1 failed" in message and "KeyError" in message, message
+    torch.testing.assert_close(results[0]["after"], results[1]["after"], rtol=0, atol=0)
+
+
 def test_a_silent_rank_is_timed_out():
     """Rank 2 stalls (alive, sending nothing) for longer than the 5 s timeout: the others give
     up after the timeout, not after the stall, and rank 2 then finds the pipeline stopped."""

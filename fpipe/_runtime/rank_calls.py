@@ -75,6 +75,23 @@ class Calls:
             self.forget()
             self.running.release()
 
+    def abandon(self, error: BaseException) -> None:
+        """Close without waiting, because this rank leaves the pipeline on ``error`` (raised
+        in a ``with`` block): the failure is published and fpipe's groups aborted, so the
+        other ranks stop at once with an error naming it instead of waiting out the timeout
+        for a peer that will not come. ``error`` itself goes on up, never masked here."""
+        if self.closed:
+            return
+        self.closed, self.pending = True, None
+        _OPEN.discard(self)
+        try:
+            if self.faults.broken is None:
+                self.faults.stop_everyone(error)
+        except Exception:  # noqa: BLE001, S110 - best effort: the caller's error matters more
+            pass
+        finally:
+            self.forget()
+
 
 @atexit.register
 def _forget_all() -> None:
