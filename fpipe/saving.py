@@ -133,11 +133,11 @@ def _flat_optimizer(optimizer: torch.optim.Optimizer, order: list[str]) -> dict[
     return flat
 
 
-def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any],
+def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
          names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
-         process_group: Any = None) -> None:
+         process_group: Any = None, storage_writer: Any = None) -> None:
     """Write a checkpoint of ``params``, ``state`` and ``optimizer`` to ``directory`` with
     ``torch.distributed.checkpoint.save``.
 
@@ -148,8 +148,12 @@ def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
     its path in its stage's pytree, which must then be unique across stages.
     ``process_group``: the ranks that save together, each calling ``save`` with its own
     stages (default: every rank, when a process group is initialised; else this process).
-    Every check runs before anything is written.
+    ``storage_writer``: a DCP ``StorageWriter`` (``FileSystemWriter`` with options of its
+    own, an fsspec or object-store writer), given to ``dcp.save`` as it is; ``directory`` is
+    then its ``checkpoint_id`` (``None``: the writer's own location). Without one, DCP picks
+    its writer for ``directory``. Every check runs before anything is written.
     """
+    _located(directory, storage_writer, "storage_writer")
     model = _model_names(params, state, names)
     state_dict: dict[str, Any] = {_MODEL: {name: leaf.detach() for name, (_, leaf)
                                            in model.items()}}
@@ -157,7 +161,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
         state_dict[_OPTIM] = _flat_optimizer(optimizer, _optimizer_names(optimizer, model))
     with _quiet():
         _dcp(process_group).save(state_dict, checkpoint_id=directory,
-                                 process_group=process_group)
+                                 storage_writer=storage_writer, process_group=process_group)
 
 
 @contextlib.contextmanager
@@ -170,13 +174,34 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _metadata(directory: str | os.PathLike) -> dict[str, Any]:
+def _located(directory: str | os.PathLike | None, storage: Any, argument: str) -> None:
+    """Refuse a call that says nowhere where the checkpoint is (DCP allows ``checkpoint_id=None``
+    only with a storage object, which then knows its location)."""
+    if directory is None and storage is None:
+        raise ValueError(f"no checkpoint location: give a directory, or a {argument}= that "
+                         f"knows where the checkpoint is")
+
+
+def _reader(directory: str | os.PathLike | None, storage_reader: Any) -> Any:
+    """The DCP reader the metadata check and the read both use: the one given, reset to
+    ``directory`` as ``dcp.load`` resets it (when given), else a ``FileSystemReader``."""
+    _located(directory, storage_reader, "storage_reader")
+    if storage_reader is None:
+        return _dcp().FileSystemReader(directory)
+    if directory is not None:
+        storage_reader.reset(directory)
+    return storage_reader
+
+
+def _metadata(reader: Any, directory: str | os.PathLike | None) -> dict[str, Any]:
     """What the checkpoint holds: DCP key -> its storage metadata (size and dtype)."""
     try:
-        return _dcp().FileSystemReader(directory).read_metadata().state_dict_metadata
+        return reader.read_metadata().state_dict_metadata
     except FileNotFoundError:
-        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r} (DCP's .metadata "
-                                f"file is missing)") from None
+        where = os.fspath(directory) if directory is not None else str(
+            getattr(reader, "checkpoint_id", None) or type(reader).__name__)
+        raise FileNotFoundError(f"no checkpoint in {where!r} (DCP's .metadata is missing)"
+                                ) from None
 
 
 def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any]) -> None:
@@ -258,11 +283,11 @@ def _optimizer_state_dict(optimizer: torch.optim.Optimizer, order: list[str],
     return {"state": state, "param_groups": groups}
 
 
-def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any],
+def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
          names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
-         process_group: Any = None, ties: Any = ()) -> Any:
+         process_group: Any = None, ties: Any = (), storage_reader: Any = None) -> Any:
     """Fill ``params``' and ``state``'s tensors, in place, from the checkpoint in
     ``directory`` (``torch.distributed.checkpoint.load``); returns ``params``, or
     ``(params, state)`` when ``state`` is given.
@@ -276,8 +301,12 @@ def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
     ``ties``: the pipeline's ``ties=``. A plain module's optimiser holds a tied weight once,
     under one of its names, so its checkpoint has no optimiser state for the others: a tied
     copy without state of its own takes (a copy of) its tie's.
+
+    ``storage_reader``: a DCP ``StorageReader``, given to ``dcp.load`` as it is (and read for
+    the checks first); ``directory`` may then be ``None``, as with :func:`save`'s writer.
     """
-    held = _metadata(directory)
+    reader = _reader(directory, storage_reader)
+    held = _metadata(reader, directory)
     model = _model_names(params, state, names)
     _check_model(model, held)
     request: dict[str, Any] = {_MODEL: {name: leaf for name, (_, leaf) in model.items()}}
@@ -285,19 +314,20 @@ def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
         order = _tie_sources(_optimizer_names(optimizer, model), ties, names, held)
         request[_OPTIM] = _optimizer_request(order, held)
     with torch.no_grad(), _quiet():
-        _dcp(process_group).load(request, checkpoint_id=directory,
+        _dcp(process_group).load(request, checkpoint_id=directory, storage_reader=reader,
                                  process_group=process_group)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, request[_OPTIM]))
     return params if state is None else (params, state)
 
 
-def load_module(directory: str | os.PathLike, module: torch.nn.Module,
-                optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None = None, *,
+                storage_reader: Any = None) -> None:
     """Load a checkpoint into the plain ``module`` (and its ``optimizer``), as torch's
     ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` do with
     ``flatten_optimizer_state_dict=True``: every name ``module.state_dict()`` lists must be
-    in the checkpoint."""
+    in the checkpoint. ``storage_reader``: as :func:`load`'s."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -311,8 +341,9 @@ def load_module(directory: str | os.PathLike, module: torch.nn.Module,
     else:
         model, optim = get_state_dict(module, optimizer, options=options)
         state_dict = {_MODEL: model, _OPTIM: optim}
-    _metadata(directory)
+    reader = _reader(directory, storage_reader)
+    _metadata(reader, directory)
     with _quiet():
-        _dcp().load(state_dict, checkpoint_id=directory)
+        _dcp().load(state_dict, checkpoint_id=directory, storage_reader=reader)
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)

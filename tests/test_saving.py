@@ -179,6 +179,76 @@ def test_errors_name_the_leaf_and_write_nothing(tmp_path):
         saving.load(tmp_path / "nowhere", [{"w": leaf}])
 
 
+def trained_pipeline(seed: int = 0):
+    """A 2-stage pipeline of ``model()`` and its AdamW after two steps: something to save."""
+    s = from_sequential(model(seed), [3, 3])
+    optimizer = adamw(optree.tree_leaves(s.params))
+    return s, optimizer, train(s, optimizer, s.state, batches(1, 2))
+
+
+def assert_same_checkpoint(s, state, optimizer, like, like_state, like_optimizer):
+    for name, value in flat(s.params, state).items():
+        assert torch.equal(flat(like.params, like_state)[name], value), name
+    saved, loaded = optimizer.state_dict(), like_optimizer.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for i, values in saved["state"].items():
+        assert all(torch.equal(v, loaded["state"][i][k]) for k, v in values.items())
+
+
+def test_any_dcp_storage_writer_and_reader(tmp_path):
+    """A ``FileSystemWriter`` with options of its own writes, a ``FileSystemReader`` reads,
+    exactly; with the storage objects ``directory`` may be ``None``."""
+    s, optimizer, state = trained_pipeline()
+    writer = dcp.FileSystemWriter(tmp_path / "ckpt", thread_count=2,
+                                  single_file_per_rank=False)
+    saving.save(None, s.params, state, optimizer=optimizer, storage_writer=writer)
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) > 1  # a file per tensor
+
+    like = from_sequential(model(seed=9), [2, 4])
+    like_optimizer = adamw(optree.tree_leaves(like.params))
+    _, like_state = saving.load(None, like.params, like.state, optimizer=like_optimizer,
+                                storage_reader=dcp.FileSystemReader(tmp_path / "ckpt"))
+    assert_same_checkpoint(s, state, optimizer, like, like_state, like_optimizer)
+
+    # A reader given with a directory is reset to it, as dcp.load does.
+    plain = model(seed=8)
+    saving.load_module(tmp_path / "ckpt", plain,
+                       storage_reader=dcp.FileSystemReader(tmp_path / "nowhere"))
+    for name, value in flat(s.params, state).items():
+        assert torch.equal(plain.state_dict()[name], value), name
+
+    with pytest.raises(FileNotFoundError, match="no checkpoint in '.*nowhere'"):
+        saving.load(None, like.params, like.state,
+                    storage_reader=dcp.FileSystemReader(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint in '.*nowhere'"):
+        saving.load_module(None, plain,
+                           storage_reader=dcp.FileSystemReader(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="no checkpoint location.*storage_writer="):
+        saving.save(None, s.params, state)
+    with pytest.raises(ValueError, match="no checkpoint location.*storage_reader="):
+        saving.load(None, like.params, like.state)
+    with pytest.raises(ValueError, match="no checkpoint location.*storage_reader="):
+        saving.load_module(None, plain)
+
+
+def test_fsspec_storage_round_trip():
+    """DCP's fsspec writer and reader, on fsspec's in-memory filesystem (fsspec comes with
+    torch)."""
+    pytest.importorskip("fsspec")
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    s, optimizer, state = trained_pipeline()
+    where = "memory://fpipe-test/ckpt"
+    saving.save(None, s.params, state, optimizer=optimizer, storage_writer=FsspecWriter(where))
+    like = from_sequential(model(seed=9), [1, 5])
+    like_optimizer = adamw(optree.tree_leaves(like.params))
+    _, like_state = saving.load(where, like.params, like.state, optimizer=like_optimizer,
+                                storage_reader=FsspecReader(where))
+    assert_same_checkpoint(s, state, optimizer, like, like_state, like_optimizer)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in 'memory://fpipe-test/no'"):
+        saving.load(None, like.params, storage_reader=FsspecReader("memory://fpipe-test/no"))
+
+
 @pytest.mark.needs_extra
 def test_tied_hf_gpt2_loads_and_round_trips_through_save_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
