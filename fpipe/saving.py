@@ -11,16 +11,19 @@ optimiser's, with ``StateDictOptions(flatten_optimizer_state_dict=True)``:
 - ``"optim"``: ``{"state.<name>.<key>": value, "param_groups.<name>.<key>": value}``, the
   optimiser's state and hyper-parameters per parameter.
 
-The optimiser's part is flat because the nested form
+The optimiser's part is written flat because the nested form
 (``{"state": ..., "param_groups": [{"params": [names]}]}``) keeps each group's list of names
 as one value, which every rank of a pipeline would write with other names in it; flat, each
 value belongs to one parameter (torch's option exists for pipeline parallelism). The tensors'
-keys are the same in both forms.
+keys are the same in both forms. :func:`load` reads both: a checkpoint a plain module wrote
+with ``get_state_dict``'s default (nested) options gives each parameter the hyper-parameters
+of the group that lists its name.
 
 So the ranks of a pipeline each write their own stages' tensors into one checkpoint (data
 parallel replicas write the same keys: DCP's planner writes each once), and any cut of the
 model loads it, on any number of ranks, as does the plain ``nn.Module`` (:func:`load_module`,
-or ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` with that option).
+or ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` with that option). Any DCP storage
+holds them: ``storage_writer=`` / ``storage_reader=`` are given to ``dcp.save`` / ``dcp.load``.
 """
 
 from __future__ import annotations
@@ -304,9 +307,12 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
 
     The arguments are :func:`save`'s: any cut of the model, on any number of ranks, loads
     any checkpoint of it, each tensor found by its model name. ``optimizer`` (built on
-    leaves of ``params``) gets its state and hyper-parameters by ``load_state_dict``. A
-    leaf missing from the checkpoint, or saved with another shape or dtype, is an error
-    naming it, raised before anything is read.
+    leaves of ``params``) gets its state and hyper-parameters by ``load_state_dict``, from
+    either of torch's optimiser layouts (flat, or nested as ``get_state_dict`` writes by
+    default); its groups must keep apart the parameters saved with different hyper-parameters
+    (a group of its own for the biases saved without weight decay). A leaf missing from the
+    checkpoint, or saved with another shape or dtype, is an error naming it, raised before
+    any tensor is read.
 
     ``ties``: the pipeline's ``ties=``. A plain module's optimiser holds a tied weight once,
     under one of its names, so its checkpoint has no optimiser state for the others: a tied
