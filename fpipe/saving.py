@@ -11,16 +11,19 @@ optimiser's, with ``StateDictOptions(flatten_optimizer_state_dict=True)``:
 - ``"optim"``: ``{"state.<name>.<key>": value, "param_groups.<name>.<key>": value}``, the
   optimiser's state and hyper-parameters per parameter.
 
-The optimiser's part is flat because the nested form
+The optimiser's part is written flat because the nested form
 (``{"state": ..., "param_groups": [{"params": [names]}]}``) keeps each group's list of names
 as one value, which every rank of a pipeline would write with other names in it; flat, each
 value belongs to one parameter (torch's option exists for pipeline parallelism). The tensors'
-keys are the same in both forms.
+keys are the same in both forms. :func:`load` reads both: a checkpoint a plain module wrote
+with ``get_state_dict``'s default (nested) options gives each parameter the hyper-parameters
+of the group that lists its name.
 
 So the ranks of a pipeline each write their own stages' tensors into one checkpoint (data
 parallel replicas write the same keys: DCP's planner writes each once), and any cut of the
 model loads it, on any number of ranks, as does the plain ``nn.Module`` (:func:`load_module`,
-or ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` with that option).
+or ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` with that option). Any DCP storage
+holds them: ``storage_writer=`` / ``storage_reader=`` are given to ``dcp.save`` / ``dcp.load``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fpipe._runtime import saved_groups
 from fpipe._runtime.trees import leaf_names, stage_items
 
 __all__ = ["save", "load", "load_module", "names"]
@@ -133,11 +137,11 @@ def _flat_optimizer(optimizer: torch.optim.Optimizer, order: list[str]) -> dict[
     return flat
 
 
-def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any],
+def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
          names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
-         process_group: Any = None) -> None:
+         process_group: Any = None, storage_writer: Any = None) -> None:
     """Write a checkpoint of ``params``, ``state`` and ``optimizer`` to ``directory`` with
     ``torch.distributed.checkpoint.save``.
 
@@ -148,8 +152,12 @@ def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
     its path in its stage's pytree, which must then be unique across stages.
     ``process_group``: the ranks that save together, each calling ``save`` with its own
     stages (default: every rank, when a process group is initialised; else this process).
-    Every check runs before anything is written.
+    ``storage_writer``: a DCP ``StorageWriter`` (``FileSystemWriter`` with options of its
+    own, an fsspec or object-store writer), given to ``dcp.save`` as it is; ``directory`` is
+    then its ``checkpoint_id`` (``None``: the writer's own location). Without one, DCP picks
+    its writer for ``directory``. Every check runs before anything is written.
     """
+    _located(directory, storage_writer, "storage_writer")
     model = _model_names(params, state, names)
     state_dict: dict[str, Any] = {_MODEL: {name: leaf.detach() for name, (_, leaf)
                                            in model.items()}}
@@ -157,7 +165,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any]
         state_dict[_OPTIM] = _flat_optimizer(optimizer, _optimizer_names(optimizer, model))
     with _quiet():
         _dcp(process_group).save(state_dict, checkpoint_id=directory,
-                                 process_group=process_group)
+                                 storage_writer=storage_writer, process_group=process_group)
 
 
 @contextlib.contextmanager
@@ -170,13 +178,34 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _metadata(directory: str | os.PathLike) -> dict[str, Any]:
+def _located(directory: str | os.PathLike | None, storage: Any, argument: str) -> None:
+    """Refuse a call that says nowhere where the checkpoint is (DCP allows ``checkpoint_id=None``
+    only with a storage object, which then knows its location)."""
+    if directory is None and storage is None:
+        raise ValueError(f"no checkpoint location: give a directory, or a {argument}= that "
+                         f"knows where the checkpoint is")
+
+
+def _reader(directory: str | os.PathLike | None, storage_reader: Any) -> Any:
+    """The DCP reader the metadata check and the read both use: the one given, reset to
+    ``directory`` as ``dcp.load`` resets it (when given), else a ``FileSystemReader``."""
+    _located(directory, storage_reader, "storage_reader")
+    if storage_reader is None:
+        return _dcp().FileSystemReader(directory)
+    if directory is not None:
+        storage_reader.reset(directory)
+    return storage_reader
+
+
+def _metadata(reader: Any, directory: str | os.PathLike | None) -> dict[str, Any]:
     """What the checkpoint holds: DCP key -> its storage metadata (size and dtype)."""
     try:
-        return _dcp().FileSystemReader(directory).read_metadata().state_dict_metadata
+        return reader.read_metadata().state_dict_metadata
     except FileNotFoundError:
-        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r} (DCP's .metadata "
-                                f"file is missing)") from None
+        where = os.fspath(directory) if directory is not None else str(
+            getattr(reader, "checkpoint_id", None) or type(reader).__name__)
+        raise FileNotFoundError(f"no checkpoint in {where!r} (DCP's .metadata is missing)"
+                                ) from None
 
 
 def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any]) -> None:
@@ -190,28 +219,39 @@ def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any
                              f"but {tuple(leaf.shape)} {leaf.dtype} here")
 
 
-def _optimizer_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]:
-    """The flat optimiser entries the checkpoint holds for these parameters, as DCP fills
-    them: an empty tensor of the saved size and dtype, or a placeholder for other values."""
-    wanted = set(order)
-    request: dict[str, Any] = {}
-    prefix = f"{_OPTIM}."
-    for key, saved in held.items():
-        if not key.startswith(prefix):
-            continue
-        section, _, rest = key[len(prefix):].partition(".")
-        name = rest.rpartition(".")[0]
-        if section in ("state", "param_groups") and name in wanted:
-            request[key[len(prefix):]] = (
-                torch.empty(saved.size, dtype=saved.properties.dtype)
-                if isinstance(saved, _tensor_metadata()) else None)
+def _state_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser state the checkpoint holds for these parameters (``state.<name>.<key>``,
+    alike in both layouts), as DCP fills it."""
+    wanted, prefix = set(order), f"{_OPTIM}.state."
+    return {key[len(_OPTIM) + 1:]: saved_groups.placeholder(saved)
+            for key, saved in held.items()
+            if key.startswith(prefix) and key[len(prefix):].rpartition(".")[0] in wanted}
+
+
+def _hyper_parameters(read: Any, optimizer: torch.optim.Optimizer, order: list[str],
+                      held: dict[str, Any], ties: Any,
+                      rename: Any) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Each parameter's saved hyper-parameters, from either layout (read before any tensor:
+    only a nested checkpoint's groups say which names they hold), and ``order`` with each
+    tied name the checkpoint lacks replaced by its tie's. Raises, before the tensors are
+    read, for a name without any, and for a group of ``optimizer`` mixing values."""
+    groups = saved_groups.entries(held, f"{_OPTIM}.")
+    nested = bool(saved_groups.nested_groups(groups))
+    if nested:
+        hyper = saved_groups.by_name(read(saved_groups.request(groups, True, set())), True)
+    known = set(hyper) if nested else saved_groups.flat_names(groups)
+    order = _tie_sources(order, ties, rename, known)
     for name in order:
-        if not any(k.startswith(f"param_groups.{name}.") for k in request):
+        if name not in known:
             raise KeyError(f"the checkpoint holds no optimizer state for {name!r}")
-    return request
+    if not nested:
+        hyper = saved_groups.by_name(read(saved_groups.request(groups, False, set(order))),
+                                     False)
+    saved_groups.check_groups(optimizer, order, hyper)
+    return order, hyper
 
 
-def _tie_sources(order: list[str], ties: Any, rename: Any, held: dict[str, Any]) -> list[str]:
+def _tie_sources(order: list[str], ties: Any, rename: Any, known: set[str]) -> list[str]:
     """``order`` with each tied name whose optimiser state the checkpoint lacks replaced by
     the name of a member of its tie that has some."""
     def model_name(stage: int, local: str) -> str | None:
@@ -222,82 +262,97 @@ def _tie_sources(order: list[str], ties: Any, rename: Any, held: dict[str, Any])
         except (KeyError, IndexError):
             return None
 
-    def has_state(name: str) -> bool:
-        return any(k.startswith(f"{_OPTIM}.param_groups.{name}.") for k in held)
-
     source: dict[str, str] = {}
     for tie in ties:
         members = [n for n in (model_name(s, local) for s, local in tie) if n is not None]
-        found = next((n for n in members if has_state(n)), None)
-        source.update({n: found for n in members if found is not None and not has_state(n)})
+        found = next((n for n in members if n in known), None)
+        source.update({n: found for n in members if found is not None and n not in known})
     return [source.get(name, name) for name in order]
 
 
 def _optimizer_state_dict(optimizer: torch.optim.Optimizer, order: list[str],
-                          flat: dict[str, Any]) -> dict[str, Any]:
-    """``flat`` (model names) mapped back to ``optimizer``'s own ``state_dict`` form: its
-    parameter groups as they are, each group's hyper-parameters from its first parameter."""
-    per_name: dict[str, dict[str, dict[str, Any]]] = {}
+                          flat: dict[str, Any],
+                          hyper: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The read state (``state.<name>.<key>``) and ``hyper`` (by name) mapped back to
+    ``optimizer``'s own ``state_dict`` form: its parameter groups as they are, each with its
+    parameters' saved hyper-parameters (one value each: ``check_groups``)."""
+    per_name: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
-        section, _, rest = key.partition(".")
-        name, _, field = rest.rpartition(".")
-        per_name.setdefault(name, {}).setdefault(section, {})[field] = value
+        name, _, field = key[len("state."):].rpartition(".")
+        per_name.setdefault(name, {})[field] = value
     state, groups, i = {}, [], 0
     for group in optimizer.param_groups:
         ids = list(range(i, i + len(group["params"])))
         for j in ids:
-            if per_name[order[j]].get("state"):
+            if per_name.get(order[j]):
                 # A copy each: two tied copies may read one saved state, and the optimiser
                 # updates its state tensors in place.
                 state[j] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                            for k, v in per_name[order[j]]["state"].items()}
-        hyper = per_name[order[ids[0]]]["param_groups"] if ids else {}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, **hyper,
+                            for k, v in per_name[order[j]].items()}
+        saved = hyper[order[ids[0]]] if ids else {}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, **saved,
                        "params": ids})
         i += len(ids)
     return {"state": state, "param_groups": groups}
 
 
-def load(directory: str | os.PathLike, params: Sequence[Any] | Mapping[int, Any],
+def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
          names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
-         process_group: Any = None, ties: Any = ()) -> Any:
+         process_group: Any = None, ties: Any = (), storage_reader: Any = None) -> Any:
     """Fill ``params``' and ``state``'s tensors, in place, from the checkpoint in
     ``directory`` (``torch.distributed.checkpoint.load``); returns ``params``, or
     ``(params, state)`` when ``state`` is given.
 
     The arguments are :func:`save`'s: any cut of the model, on any number of ranks, loads
     any checkpoint of it, each tensor found by its model name. ``optimizer`` (built on
-    leaves of ``params``) gets its state and hyper-parameters by ``load_state_dict``. A
-    leaf missing from the checkpoint, or saved with another shape or dtype, is an error
-    naming it, raised before anything is read.
+    leaves of ``params``) gets its state and hyper-parameters by ``load_state_dict``, from
+    either of torch's optimiser layouts (flat, or nested as ``get_state_dict`` writes by
+    default); its groups must keep apart the parameters saved with different hyper-parameters
+    (a group of its own for the biases saved without weight decay). A leaf missing from the
+    checkpoint, or saved with another shape or dtype, is an error naming it, raised before
+    any tensor is read.
 
     ``ties``: the pipeline's ``ties=``. A plain module's optimiser holds a tied weight once,
     under one of its names, so its checkpoint has no optimiser state for the others: a tied
     copy without state of its own takes (a copy of) its tie's.
+
+    ``storage_reader``: a DCP ``StorageReader``, given to ``dcp.load`` as it is (and read for
+    the checks first); ``directory`` may then be ``None``, as with :func:`save`'s writer.
     """
-    held = _metadata(directory)
+    reader = _reader(directory, storage_reader)
+    held = _metadata(reader, directory)
     model = _model_names(params, state, names)
     _check_model(model, held)
-    request: dict[str, Any] = {_MODEL: {name: leaf for name, (_, leaf) in model.items()}}
-    if optimizer is not None:
-        order = _tie_sources(_optimizer_names(optimizer, model), ties, names, held)
-        request[_OPTIM] = _optimizer_request(order, held)
-    with torch.no_grad(), _quiet():
-        _dcp(process_group).load(request, checkpoint_id=directory,
-                                 process_group=process_group)
-    if optimizer is not None:
-        optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, request[_OPTIM]))
+
+    def read(entries: dict[str, Any] | None, tensors: Any = None) -> Any:
+        """One ``dcp.load`` (collective) of optimiser entries and, when given, the tensors."""
+        request = {k: v for k, v in ((_MODEL, tensors), (_OPTIM, entries)) if v is not None}
+        with torch.no_grad(), _quiet():
+            _dcp(process_group).load(request, checkpoint_id=directory, storage_reader=reader,
+                                     process_group=process_group)
+        return request.get(_OPTIM)
+
+    tensors = {name: leaf for name, (_, leaf) in model.items()}
+    if optimizer is None:
+        read(None, tensors)
+        return params if state is None else (params, state)
+    order, hyper = _hyper_parameters(read, optimizer, _optimizer_names(optimizer, model), held,
+                                     ties, names)
+    saved = read(_state_request(order, held), tensors)
+    optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, saved, hyper))
     return params if state is None else (params, state)
 
 
-def load_module(directory: str | os.PathLike, module: torch.nn.Module,
-                optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None = None, *,
+                storage_reader: Any = None) -> None:
     """Load a checkpoint into the plain ``module`` (and its ``optimizer``), as torch's
     ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` do with
     ``flatten_optimizer_state_dict=True``: every name ``module.state_dict()`` lists must be
-    in the checkpoint."""
+    in the checkpoint. A checkpoint with the optimiser in torch's nested layout is read
+    without that option. ``storage_reader``: as :func:`load`'s."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -305,14 +360,17 @@ def load_module(directory: str | os.PathLike, module: torch.nn.Module,
         set_state_dict,
     )
 
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    reader = _reader(directory, storage_reader)
+    held = _metadata(reader, directory)
+    # torch reads the optimiser in the layout it asks for: the one the checkpoint has.
+    nested = saved_groups.nested_groups(saved_groups.entries(held, f"{_OPTIM}."))
+    options = StateDictOptions(flatten_optimizer_state_dict=not nested)
     if optimizer is None:
         state_dict = {_MODEL: get_model_state_dict(module, options=options)}
     else:
         model, optim = get_state_dict(module, optimizer, options=options)
         state_dict = {_MODEL: model, _OPTIM: optim}
-    _metadata(directory)
     with _quiet():
-        _dcp().load(state_dict, checkpoint_id=directory)
+        _dcp().load(state_dict, checkpoint_id=directory, storage_reader=reader)
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)

@@ -6,6 +6,8 @@ tests/test_saving_distributed.py."""
 
 from __future__ import annotations
 
+import copy
+
 import optree
 import pytest
 import torch
@@ -177,6 +179,177 @@ def test_errors_name_the_leaf_and_write_nothing(tmp_path):
     assert torch.equal(leaf, torch.ones(2))  # nothing read
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         saving.load(tmp_path / "nowhere", [{"w": leaf}])
+
+
+def trained_pipeline(seed: int = 0):
+    """A 2-stage pipeline of ``model()`` and its AdamW after two steps: something to save."""
+    s = from_sequential(model(seed), [3, 3])
+    optimizer = adamw(optree.tree_leaves(s.params))
+    return s, optimizer, train(s, optimizer, s.state, batches(1, 2))
+
+
+def assert_same_checkpoint(s, state, optimizer, like, like_state, like_optimizer):
+    for name, value in flat(s.params, state).items():
+        assert torch.equal(flat(like.params, like_state)[name], value), name
+    saved, loaded = optimizer.state_dict(), like_optimizer.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for i, values in saved["state"].items():
+        assert all(torch.equal(v, loaded["state"][i][k]) for k, v in values.items())
+
+
+def test_any_dcp_storage_writer_and_reader(tmp_path):
+    """A ``FileSystemWriter`` with options of its own writes, a ``FileSystemReader`` reads,
+    exactly; with the storage objects ``directory`` may be ``None``."""
+    s, optimizer, state = trained_pipeline()
+    writer = dcp.FileSystemWriter(tmp_path / "ckpt", thread_count=2,
+                                  single_file_per_rank=False)
+    saving.save(None, s.params, state, optimizer=optimizer, storage_writer=writer)
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) > 1  # a file per tensor
+
+    like = from_sequential(model(seed=9), [2, 4])
+    like_optimizer = adamw(optree.tree_leaves(like.params))
+    _, like_state = saving.load(None, like.params, like.state, optimizer=like_optimizer,
+                                storage_reader=dcp.FileSystemReader(tmp_path / "ckpt"))
+    assert_same_checkpoint(s, state, optimizer, like, like_state, like_optimizer)
+
+    # A reader given with a directory is reset to it, as dcp.load does.
+    plain = model(seed=8)
+    saving.load_module(tmp_path / "ckpt", plain,
+                       storage_reader=dcp.FileSystemReader(tmp_path / "nowhere"))
+    for name, value in flat(s.params, state).items():
+        assert torch.equal(plain.state_dict()[name], value), name
+
+    with pytest.raises(FileNotFoundError, match="no checkpoint in '.*nowhere'"):
+        saving.load(None, like.params, like.state,
+                    storage_reader=dcp.FileSystemReader(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint in '.*nowhere'"):
+        saving.load_module(None, plain,
+                           storage_reader=dcp.FileSystemReader(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="no checkpoint location.*storage_writer="):
+        saving.save(None, s.params, state)
+    with pytest.raises(ValueError, match="no checkpoint location.*storage_reader="):
+        saving.load(None, like.params, like.state)
+    with pytest.raises(ValueError, match="no checkpoint location.*storage_reader="):
+        saving.load_module(None, plain)
+
+
+def test_fsspec_storage_round_trip():
+    """DCP's fsspec writer and reader, on fsspec's in-memory filesystem (fsspec comes with
+    torch)."""
+    pytest.importorskip("fsspec")
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    s, optimizer, state = trained_pipeline()
+    where = "memory://fpipe-test/ckpt"
+    saving.save(None, s.params, state, optimizer=optimizer, storage_writer=FsspecWriter(where))
+    like = from_sequential(model(seed=9), [1, 5])
+    like_optimizer = adamw(optree.tree_leaves(like.params))
+    _, like_state = saving.load(where, like.params, like.state, optimizer=like_optimizer,
+                                storage_reader=FsspecReader(where))
+    assert_same_checkpoint(s, state, optimizer, like, like_state, like_optimizer)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in 'memory://fpipe-test/no'"):
+        saving.load(None, like.params, storage_reader=FsspecReader("memory://fpipe-test/no"))
+
+
+def plain_steps(plain, optimizer, steps):
+    plain.train()
+    for x, t in steps:
+        optimizer.zero_grad()
+        F.mse_loss(plain(x), t).backward()
+        optimizer.step()
+
+
+def by_name(s, optimizer) -> dict:
+    """Each parameter's optimiser state and group, by model name (one leaf per name here)."""
+    name_of = {id(leaf): name for p in s.params for name, leaf in p.items()}
+    return {name_of[id(p)]: (optimizer.state[p], group)
+            for group in optimizer.param_groups for p in group["params"]}
+
+
+def test_a_checkpoint_in_torch_s_nested_optimizer_layout_resumes_a_pipeline(tmp_path):
+    """torch's default ``get_state_dict`` layout (the optimiser's groups as lists of names)
+    loads into a pipeline: AdamW's state bitwise, and the next step as the plain model's."""
+    plain = model()
+    plain_optimizer = adamw(plain.parameters())
+    plain_steps(plain, plain_optimizer, batches(1, 2))
+    model_sd, optim_sd = get_state_dict(plain, plain_optimizer)  # default: nested
+    assert optim_sd["param_groups"][0]["params"][0] == "0.weight"
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path, no_dist=True)
+    saved_model = {k: v.clone() for k, v in plain.state_dict().items()}
+    saved_optimizer = copy.deepcopy(plain_optimizer.state_dict())
+
+    s = from_sequential(model(seed=3), [2, 4])
+    optimizer = torch.optim.AdamW(optree.tree_leaves(s.params), lr=0.5, weight_decay=0.0)
+    _, state = saving.load(tmp_path, s.params, s.state, optimizer=optimizer)
+    loaded = by_name(s, optimizer)
+    for name, p in plain.named_parameters():
+        values, group = loaded[name]
+        assert (group["lr"], group["weight_decay"]) == (1e-2, 0.1)  # the saved ones
+        assert all(torch.equal(values[k], plain_optimizer.state[p][k])
+                   for k in ("step", "exp_avg", "exp_avg_sq")), name
+
+    step = batches(2, 1)
+    state = train(s, optimizer, state, step, chunks=1)
+    plain_steps(plain, plain_optimizer, step)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(flat(s.params, state)[name], value, rtol=1e-10, atol=1e-12)
+
+    # The plain module reads it too (with torch's nested options), over a step of its own.
+    again = model(seed=4)
+    again_optimizer = torch.optim.AdamW(again.parameters(), lr=0.5)
+    plain_steps(again, again_optimizer, batches(5, 1))
+    saving.load_module(tmp_path, again, again_optimizer)
+    for name, value in saved_model.items():
+        assert torch.equal(again.state_dict()[name], value), name
+    loaded = again_optimizer.state_dict()
+    assert loaded["param_groups"] == saved_optimizer["param_groups"]
+    for i, values in saved_optimizer["state"].items():
+        assert all(torch.equal(v, loaded["state"][i][k]) for k, v in values.items())
+
+
+def grouped(parameters, lr=1e-2):
+    """AdamW with two groups: weight decay on the weights, none (and another lr) on the
+    biases and BatchNorm's."""
+    parameters = list(parameters)
+    weights = [p for p in parameters if p.dim() > 1]
+    rest = [p for p in parameters if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": weights}, {"params": rest, "lr": 3e-2,
+                                                      "weight_decay": 0.0}],
+                             lr=lr, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("layout", ["flat", "nested"])
+def test_each_parameter_gets_its_own_group_s_hyper_parameters(tmp_path, layout):
+    plain = model()
+    plain_optimizer = grouped(plain.parameters())
+    plain_steps(plain, plain_optimizer, batches(1, 2))
+    options = FLAT if layout == "flat" else StateDictOptions()
+    model_sd, optim_sd = get_state_dict(plain, plain_optimizer, options=options)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path, no_dist=True)
+
+    # Groups as saved, but in another order and with other values: each takes its own.
+    s = from_sequential(model(seed=3), [3, 3])
+    leaves = optree.tree_leaves(s.params)
+    optimizer = torch.optim.AdamW([{"params": [p for p in leaves if p.dim() <= 1]},
+                                   {"params": [p for p in leaves if p.dim() > 1]}], lr=0.5)
+    _, state = saving.load(tmp_path, s.params, s.state, optimizer=optimizer)
+    for name, (_, group) in by_name(s, optimizer).items():
+        expected = (1e-2, 0.1) if dict(plain.named_parameters())[name].dim() > 1 else (3e-2, 0.0)
+        assert (group["lr"], group["weight_decay"]) == expected, name
+    step = batches(2, 1)
+    state = train(s, optimizer, state, step, chunks=1)
+    plain_steps(plain, plain_optimizer, step)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(flat(s.params, state)[name], value, rtol=1e-10, atol=1e-12)
+
+    # One group for all of them would keep one lr of two: refused, naming them, nothing read.
+    one = from_sequential(model(seed=3), [3, 3])
+    single = adamw(optree.tree_leaves(one.params))
+    with pytest.raises(ValueError, match=r"group 0 holds '0.bias' and '0.weight', saved with "
+                                         r"lr=0.03 and 0.01: put them in groups of their own"):
+        saving.load(tmp_path, one.params, one.state, optimizer=single)
+    assert torch.equal(one.params[0]["0.weight"], model(seed=3)[0].weight)
+    assert not single.state
 
 
 @pytest.mark.needs_extra
