@@ -178,6 +178,11 @@ MUTANTS = (
            "flat.mul_(1 / len(self.dp.ranks))",
            ("tests/test_data_parallel.py::"
             "test_explicit_groups_uneven_shards_vjp_and_gradients_left_alone",), quick=True),
+    Mutant("replicas' state averaged equally, not by their shares of the batch",
+           "_runtime/data_parallel.py", "bucket.mul_(share)",
+           "bucket.mul_(1 / len(self.ranks))",
+           ("tests/test_data_parallel.py::"
+            "test_replicas_state_is_the_share_weighted_mean_the_first_replicas_or_their_own",)),
     Mutant("a tie's copies on several ranks not summed", "_runtime/tie_groups.py",
            "self._bucket(group, members, [t for t, s in enumerate(spans) if s == span])",
            "None",

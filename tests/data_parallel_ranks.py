@@ -237,3 +237,68 @@ def absent(rank: int, world: int) -> dict:
         return {"error": type(exc).__name__, "message": str(exc),
                 "waited": time.monotonic() - start}
     return {"error": None}
+
+
+#: The BatchNorm scenario's shards (uneven) and micro-batches.
+BN_SHARDS, BN_CHUNKS = (5, 3), 2
+
+
+def bn_modules() -> list:
+    """Two stages, each a 1x1 convolution then a (deferred) BatchNorm, in float64: stage 1's
+    statistics depend on stage 0's output, so both ranks of a replica carry state."""
+    from torch import nn
+
+    from fpipe.stages import DeferredBatchNorm
+
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        parts = [nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3)),
+                 nn.Sequential(nn.Conv2d(3, 2, 1), nn.BatchNorm2d(2), nn.Flatten())]
+    return [DeferredBatchNorm.convert(p.double(), BN_CHUNKS) for p in parts]
+
+
+def bn_steps() -> list:
+    """Three global batches of 8 samples: two training steps, then an inference call."""
+    out = []
+    for seed in (40, 41, 42):
+        g = torch.Generator().manual_seed(seed)
+        out.append((torch.randn(8, 2, 2, 2, generator=g, dtype=torch.float64),
+                    torch.randn(8, 8, generator=g, dtype=torch.float64)))
+    return out
+
+
+def bn_state(rank: int, world: int) -> dict:
+    """A (2, 2) mesh, shards of 5 and 3 samples: per ``state_reduce`` ("mean", "broadcast",
+    None), two training steps threading the returned state (with "mean", then a stateful
+    inference call); each call's new state of this rank's stage comes back."""
+    from fpipe.stages import from_modules
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, worker = device_mesh.get_coordinate()
+    schedule = fdist_schedule("1f1b", BN_CHUNKS)
+    built = from_modules(bn_modules(), stateful=True)
+    steps = bn_steps()
+    out = {}
+    for how in ("mean", "broadcast", None):
+        state = {worker: built.state[worker]}
+        with fdist.pipeline(built.stages, {worker: built.params[worker]}, schedule=schedule,
+                            loss_fn=mse, mesh=device_mesh, state=state, timeout=20,
+                            state_reduce=how) as pipe:
+            states = []
+            for x, target in steps[:2]:
+                _, _, state = pipe.value_and_grad(
+                    shard(x, replica, BN_SHARDS) if worker == 0 else None,
+                    shard(target, replica, BN_SHARDS) if worker == 1 else None, state=state)
+                states.append(plain(state[worker]))
+            if how == "mean":
+                _, state = pipe(shard(steps[2][0], replica, BN_SHARDS) if worker == 0 else None,
+                                state=state)
+                states.append(plain(state[worker]))
+        out[how] = states
+    return out
+
+
+def plain(state: dict) -> dict:
+    """``{name: (dtype name, values as lists)}``: far smaller pickled than tensors, so four
+    ranks' results fit the harness's pipe (exact: Python floats are float64)."""
+    return {k: (str(v.dtype).removeprefix("torch."), v.tolist()) for k, v in state.items()}
