@@ -9,6 +9,7 @@ is no longer in its file is reported *stale*: the list must follow the code.
     python scripts/mutants.py            # every mutant (before a release)
     python scripts/mutants.py --quick    # the quick subset (CI)
     python scripts/mutants.py --list     # names only
+    python scripts/mutants.py --only "state averaged"   # those whose name holds this text
 
 Exit status 0 only if every mutant run is caught.
 """
@@ -227,10 +228,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the quick subset only (CI)")
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    parser.add_argument("--only", metavar="TEXT",
+                        help="only the mutants whose name contains TEXT")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds per mutant (a hang counts as caught)")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if m.quick or not args.quick]
+    chosen = [m for m in MUTANTS if (m.quick or not args.quick)
+              and (args.only is None or args.only in m.name)]
     if args.list:
         for m in chosen:
             print(f"{'quick' if m.quick else 'full '}  {m.name}  ({', '.join(m.tests)})")
