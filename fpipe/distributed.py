@@ -179,7 +179,8 @@ class DistributedPipeline:
 
     Calls are collective: every rank makes the same ones in the same order, from one thread (a
     call while another is running raises ``RuntimeError``). With data parallelism, the loss and
-    gradients are the global batch's (see :func:`pipeline`'s ``data_parallel``).
+    gradients are the global batch's and the replicas' new state agrees (see :func:`pipeline`'s
+    ``data_parallel`` and ``state_reduce``).
 
     Worker ``w`` of the program runs on the global rank ``ranks[w]``; this rank is
     ``ranks[worker]``. ``close()`` (or the end of a ``with`` block) waits for every rank of the

@@ -270,7 +270,8 @@ def bn_steps() -> list:
 def bn_state(rank: int, world: int) -> dict:
     """A (2, 2) mesh, shards of 5 and 3 samples: per ``state_reduce`` ("mean", "broadcast",
     None), two training steps threading the returned state (with "mean", then a stateful
-    inference call); each call's new state of this rank's stage comes back."""
+    inference call); each call's new state of this rank's stage comes back, and what the
+    pipeline's reduction makes of a state of odd leaves."""
     from fpipe.stages import from_modules
 
     device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
@@ -294,7 +295,15 @@ def bn_state(rank: int, world: int) -> dict:
                 _, state = pipe(shard(steps[2][0], replica, BN_SHARDS) if worker == 0 else None,
                                 state=state)
                 states.append(plain(state[worker]))
+            # Odd leaves, each replica's own: a bool and an int tensor, a Python int, None, a
+            # 0-dim float32; the share is what the pipeline gives this replica.
+            odd = {"flag": torch.tensor([replica == 1, True]), "ids": torch.tensor([replica, 7]),
+                   "n": replica, "none": None, "x": torch.tensor(replica + 1.0)}
+            odd = pipe.data_parallel.agree_state({worker: odd}, BN_SHARDS[replica] / 8,
+                                                 pipe.driver.faults)[worker]
         out[how] = states
+        out[f"{how} odd"] = {k: v if v is None or isinstance(v, int) else (str(v.dtype), v.tolist())
+                             for k, v in odd.items()}
     return out
 
 

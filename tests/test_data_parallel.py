@@ -114,6 +114,15 @@ def test_replicas_state_is_the_share_weighted_mean_the_first_replicas_or_their_o
                                                msg=f"{how} call {call} rank {rank} {name}")
                 if how is not None:  # both replicas hold the very same bits
                     assert result[how][call] == results[(rank + 2) % 4][how][call]
+    for rank, result in enumerate(results):  # floats reduced, integers broadcast or kept
+        replica = rank // 2
+        own = {"flag": ("torch.bool", [replica == 1, True]), "ids": ("torch.int64", [replica, 7]),
+               "n": replica, "none": None, "x": ("torch.float32", replica + 1.0)}
+        assert result["None odd"] == own
+        assert result["mean odd"] == {**own, "x": ("torch.float32", 5 / 8 * 1 + 3 / 8 * 2)}
+        assert result["broadcast odd"] == {**own, "flag": ("torch.bool", [False, True]),
+                                           "ids": ("torch.int64", [0, 7]),
+                                           "x": ("torch.float32", 1.0)}
     for worker in (0, 1):  # left alone, the replicas' statistics drift apart
         assert (results[worker][None][1]["1.running_mean"]
                 != results[worker + 2][None][1]["1.running_mean"])
