@@ -359,6 +359,7 @@ class DistributedPipeline:
             with self._seeded(step):
                 self.driver.faults.guarded(
                     lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
+            new_state = self._held_state(step, replica) if self.stateful else None
         pending = self._calls.pending = object()
         last = self.worker == self.program.placement[-1]
 
@@ -372,7 +373,7 @@ class DistributedPipeline:
             return grads, input_grads(step.inputs, step.ends.grads) if first else None
 
         y = microbatch.join([out.tree() for out in step.outputs]) if last else None
-        return (y, vjp_fn, self._held_state(step, replica)) if self.stateful else (y, vjp_fn)
+        return (y, vjp_fn, new_state) if self.stateful else (y, vjp_fn)
 
     def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any,
                   replica: _Replica | None) -> None:

@@ -269,14 +269,14 @@ def bn_steps() -> list:
 
 def bn_state(rank: int, world: int) -> dict:
     """A (2, 2) mesh, shards of 5 and 3 samples: per ``state_reduce`` ("mean", "broadcast",
-    None), two training steps threading the returned state (with "mean", then a stateful
-    inference call); each call's new state of this rank's stage comes back, and what the
-    pipeline's reduction makes of a state of odd leaves."""
+    None), two training steps threading the returned state (``value_and_grad`` then ``vjp``;
+    with "mean", then a stateful inference call); each call's new state of this rank's stage
+    comes back, and what the pipeline's reduction makes of a state of odd leaves."""
     from fpipe.stages import from_modules
 
     device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica, worker = device_mesh.get_coordinate()
-    schedule = fdist_schedule("1f1b", BN_CHUNKS)
+    schedule = fdist_schedule("gpipe", BN_CHUNKS)  # for vjp
     built = from_modules(bn_modules(), stateful=True)
     steps = bn_steps()
     out = {}
@@ -285,12 +285,14 @@ def bn_state(rank: int, world: int) -> dict:
         with fdist.pipeline(built.stages, {worker: built.params[worker]}, schedule=schedule,
                             loss_fn=mse, mesh=device_mesh, state=state, timeout=20,
                             state_reduce=how) as pipe:
-            states = []
-            for x, target in steps[:2]:
-                _, _, state = pipe.value_and_grad(
-                    shard(x, replica, BN_SHARDS) if worker == 0 else None,
-                    shard(target, replica, BN_SHARDS) if worker == 1 else None, state=state)
-                states.append(plain(state[worker]))
+            x, target = (shard(t, replica, BN_SHARDS) for t in steps[0])
+            _, _, state = pipe.value_and_grad(x if worker == 0 else None,
+                                              target if worker == 1 else None, state=state)
+            states = [plain(state[worker])]
+            x, target = (shard(t, replica, BN_SHARDS) for t in steps[1])
+            y, vjp_fn, state = pipe.vjp(x if worker == 0 else None, state=state)
+            vjp_fn(2 * (y - target) / target.numel() if worker == 1 else None)
+            states.append(plain(state[worker]))
             if how == "mean":
                 _, state = pipe(shard(steps[2][0], replica, BN_SHARDS) if worker == 0 else None,
                                 state=state)
