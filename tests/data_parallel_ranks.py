@@ -306,7 +306,28 @@ def bn_state(rank: int, world: int) -> dict:
         out[how] = states
         out[f"{how} odd"] = {k: v if v is None or isinstance(v, int) else (str(v.dtype), v.tolist())
                              for k, v in odd.items()}
+    out["gone"] = _replica_gone(built, device_mesh, schedule)
     return out
+
+
+def _replica_gone(built, device_mesh, schedule) -> tuple | None:
+    """Replica 0 reduces its state, replica 1 never comes: replica 0's wait ends within the
+    pipeline's timeout, as ``(error type, message, seconds waited)``."""
+    import time
+
+    replica, worker = device_mesh.get_coordinate()
+    pipe = fdist.pipeline(built.stages, {worker: built.params[worker]}, schedule=schedule,
+                          loss_fn=mse, mesh=device_mesh, state={worker: built.state[worker]},
+                          timeout=3)
+    if replica == 1:
+        time.sleep(6)
+        return None
+    start = time.monotonic()
+    try:
+        pipe.data_parallel.agree_state({worker: built.state[worker]}, 0.5, pipe.driver.faults)
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None
 
 
 def plain(state: dict) -> dict:

@@ -84,7 +84,8 @@ def test_replicas_state_is_the_share_weighted_mean_the_first_replicas_or_their_o
     samples, two training steps threading the state, then (with "mean") a stateful inference
     call: after each call every replica holds, bitwise alike, the share-weighted mean of what
     each would have computed alone; "broadcast" gives replica 0's; None keeps each its own,
-    which differ."""
+    which differ. Last, a replica that never comes stops the other's reduction with a
+    PeerError within the timeout."""
     from fpipe.stages import from_modules
 
     results, codes = spawn("data_parallel_ranks:bn_state", 4, timeout=120)
@@ -123,6 +124,11 @@ def test_replicas_state_is_the_share_weighted_mean_the_first_replicas_or_their_o
         assert result["broadcast odd"] == {**own, "flag": ("torch.bool", [False, True]),
                                            "ids": ("torch.int64", [0, 7]),
                                            "x": ("torch.float32", 1.0)}
+    for rank in (0, 1):  # replica 1 never reduced its state: replica 0 stopped in time
+        kind, message, waited = results[rank]["gone"]
+        assert kind == "PeerError" and "the state of stage(s)" in message, message
+        assert waited < 30
+    assert results[2]["gone"] is None and results[3]["gone"] is None
     for worker in (0, 1):  # left alone, the replicas' statistics drift apart
         assert (results[worker][None][1]["1.running_mean"]
                 != results[worker + 2][None][1]["1.running_mean"])
