@@ -106,7 +106,8 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
              nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
              autodiff: str = "autograd", group: Any = None, mesh: Any = None,
              data_parallel: Any = None, grad_reduce: str | None = "mean",
-             bucket_mb: float = 25.0, ties: Iterable | None = None) -> DistributedPipeline:
+             bucket_mb: float = 25.0, ties: Iterable | None = None,
+             state_reduce: str | None = "mean") -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank of the pipeline calls it with the same
     ``stages``, ``schedule`` and ``loss_fn`` (and, with data parallelism, every replica at
     once).
@@ -142,17 +143,29 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             rank, overlapping the rest of the step; ``None`` returns each replica's own
             gradients of its shard's mean, untouched, for a reduction of the caller's own
             (``fully_shard``, gradient compression).
-        bucket_mb: the largest bucket of gradients reduced at once, in MiB (per dtype).
+        bucket_mb: the largest bucket of gradients (or state) reduced at once, in MiB (per
+            dtype).
         ties: tied weights, as for :func:`fpipe.pipeline`: ties of ``(stage, name)`` pairs.
             Every rank passes the whole tie map (it holds some members); each member's
             gradient is the sum of all members', by ``all_reduce`` over a group of the ranks
             holding them (made at build; none for a tie held by one rank).
+        state_reduce: with ``data_parallel`` and ``state``, what each replica's new state
+            becomes after every call that returns it (training, ``vjp`` and a stateful
+            inference call), so that replicas (and a checkpoint of one) agree: ``"mean"`` (the
+            default) makes each floating-point tensor leaf the mean over the replicas weighted
+            by their shares of the global batch, as the gradients are (exact for BatchNorm's
+            running mean when the replicas started alike); ``"broadcast"`` gives every replica
+            the tensor leaves of the first rank of its data-parallel group (DDP's
+            ``broadcast_buffers``); ``None`` leaves each replica its own. Other leaves stay
+            each replica's own: integer tensors (``num_batches_tracked``) under ``"mean"``,
+            Python values under both. Replicas' state must have the same leaves, shapes and
+            dtypes. Without ``data_parallel`` it does nothing.
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
                                device=device, timeout=timeout, state=state, nonfinite=nonfinite,
                                grad_dtype=grad_dtype, autodiff=autodiff, group=group,
                                mesh=mesh, data_parallel=data_parallel, grad_reduce=grad_reduce,
-                               bucket_mb=bucket_mb, ties=ties)
+                               bucket_mb=bucket_mb, ties=ties, state_reduce=state_reduce)
 
 
 class DistributedPipeline:
@@ -166,7 +179,8 @@ class DistributedPipeline:
 
     Calls are collective: every rank makes the same ones in the same order, from one thread (a
     call while another is running raises ``RuntimeError``). With data parallelism, the loss and
-    gradients are the global batch's (see :func:`pipeline`'s ``data_parallel``).
+    gradients are the global batch's and the replicas' new state agrees (see :func:`pipeline`'s
+    ``data_parallel`` and ``state_reduce``).
 
     Worker ``w`` of the program runs on the global rank ``ranks[w]``; this rank is
     ``ranks[worker]``. ``close()`` (or the end of a ``with`` block) waits for every rank of the
@@ -179,7 +193,8 @@ class DistributedPipeline:
                  nonfinite: str = "raise", grad_dtype: torch.dtype | None = None,
                  autodiff: str = "autograd", group: Any = None, mesh: Any = None,
                  data_parallel: Any = None, grad_reduce: str | None = "mean",
-                 bucket_mb: float = 25.0, ties: Iterable | None = None) -> None:
+                 bucket_mb: float = 25.0, ties: Iterable | None = None,
+                 state_reduce: str | None = "mean") -> None:
         check_options(nonfinite, grad_dtype)
         self.nonfinite = nonfinite
         if not dist.is_initialized():
@@ -217,13 +232,13 @@ class DistributedPipeline:
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False)  # one thread a rank: every draw seeded
-        DataParallel.check_options(grad_reduce, bucket_mb)
+        DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
                                  self._compiled, replicas)
         self.group, self.wire = self.driver.group, self.driver.wire
         self.data_parallel = None if data_parallel is None else self._replicas(
-            replicas, grad_reduce, bucket_mb)
+            replicas, grad_reduce, bucket_mb, state_reduce)
         self._calls = Calls(self.driver.faults, self._forget)
         self._times = StepTimes()
         logger.info("%r: ranks %s%s", self, list(self.ranks),
@@ -245,9 +260,10 @@ class DistributedPipeline:
                  state: Mapping[int, Any] | None = None, record: Recorder | None = None) -> Any:
         """The output on the last stage's rank (``None`` elsewhere); with state, also this
         rank's new ``{stage: state}``. ``record`` receives this rank's timeline."""
-        step, _, _ = self._step(self.inference_program, False, x, None, params, state, record)
+        step, _, replica = self._step(self.inference_program, False, x, None, params, state,
+                                      record)
         y = microbatch.join(step.outputs) if self.worker == self.program.placement[-1] else None
-        return (y, self._held_state(step)) if self.stateful else y
+        return (y, self._held_state(step, replica)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
                        params: Mapping[int, Any] | None = None,
@@ -276,10 +292,15 @@ class DistributedPipeline:
             if error is not None:
                 raise error
         loss = returned_loss(loss)
-        return (loss, grads, self._held_state(step)) if self.stateful else (loss, grads)
+        return (loss, grads, self._held_state(step, replica)) if self.stateful else (loss, grads)
 
-    def _held_state(self, step: Step) -> dict:
-        return {s: step.state[s] for s in self.stages_held}
+    def _held_state(self, step: Step, replica: _Replica | None) -> dict:
+        """This rank's new ``{stage: state}``, made alike on every replica (``state_reduce``)."""
+        state = {s: step.state[s] for s in self.stages_held}
+        if replica is None:
+            return state
+        return self.driver.faults.guarded(lambda: self.data_parallel.agree_state(
+            state, replica.share, self.driver.faults))
 
     def close(self) -> None:
         """Collective: wait until every rank of the pipeline (and of its data-parallel group)
@@ -341,6 +362,7 @@ class DistributedPipeline:
             with self._seeded(step):
                 self.driver.faults.guarded(
                     lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
+            new_state = self._held_state(step, replica) if self.stateful else None
         pending = self._calls.pending = object()
         last = self.worker == self.program.placement[-1]
 
@@ -354,7 +376,7 @@ class DistributedPipeline:
             return grads, input_grads(step.inputs, step.ends.grads) if first else None
 
         y = microbatch.join([out.tree() for out in step.outputs]) if last else None
-        return (y, vjp_fn, self._held_state(step)) if self.stateful else (y, vjp_fn)
+        return (y, vjp_fn, new_state) if self.stateful else (y, vjp_fn)
 
     def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any,
                   replica: _Replica | None) -> None:
@@ -386,12 +408,12 @@ class DistributedPipeline:
         return {s: optree.tree_unflatten(self.param_specs[s], grads[s])
                 for s in self.stages_held}
 
-    def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None,
-                  bucket_mb: float) -> DataParallel:
+    def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None, bucket_mb: float,
+                  state_reduce: str | None) -> DataParallel:
         """The data-parallel reduction over fpipe's group on ``ranks``, checked to run this
         worker of the same program on every replica."""
         dp = DataParallel(self.driver.dp_group, ranks, grad_reduce,
-                          max(1, int(bucket_mb * 2**20)), self.wire)
+                          max(1, int(bucket_mb * 2**20)), self.wire, state_reduce)
         self.driver.faults.guarded(lambda: dp.check_alike(
             self.driver.faults, self.worker,
             (self.program.n_workers, self.program.n_stages, self.chunks)))
@@ -425,7 +447,8 @@ class DistributedPipeline:
                params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
                record: Recorder | None) -> tuple[Step, Any, _Replica | None]:
         """A new step, agreed with every rank (the header), its channel, and with data
-        parallelism in training, this replica's share of the global batch and its reduction."""
+        parallelism in training (or with state), this replica's share of the global batch and
+        its gradients' reduction."""
         leaves = self.held.param_leaves(params, self.params)
         states = self.held.states(state, self.state)
         training = call > 0
@@ -441,11 +464,12 @@ class DistributedPipeline:
         if error is not None:  # every rank knows it, so every rank raises it by itself
             raise error
         replica = None
-        if self.data_parallel is not None and training:
-            # Every replica learns the global batch; a shard too small stops them all.
+        if self.data_parallel is not None and (training or self.stateful):
+            # Every replica learns the global batch (the state's weights too); a shard too
+            # small stops them all.
             total = self.data_parallel.total(n, self.chunks, self.driver.faults)
             replica = _Replica(n / total, self.data_parallel.step(
-                n / total, self.driver.faults, self.stages_held))
+                n / total, self.driver.faults, self.stages_held) if training else None)
         else:  # every rank knows n, so every rank raises this by itself
             microbatch.check_size(n, self.chunks)
         step, channel = self.driver.faults.guarded(lambda: self._new_step(
@@ -473,8 +497,8 @@ class DistributedPipeline:
 
 
 class _Replica(NamedTuple):
-    """A data-parallel training step's part: this replica's share of the global batch and
-    the reduction of its gradients (``None`` with ``grad_reduce=None``)."""
+    """A data-parallel step's part: this replica's share of the global batch and the
+    reduction of its gradients (``None`` with ``grad_reduce=None`` or in inference)."""
 
     share: float
     reduce: GradReduce | None

@@ -9,6 +9,7 @@ is no longer in its file is reported *stale*: the list must follow the code.
     python scripts/mutants.py            # every mutant (before a release)
     python scripts/mutants.py --quick    # the quick subset (CI)
     python scripts/mutants.py --list     # names only
+    python scripts/mutants.py --only "state averaged"   # those whose name holds this text
 
 Exit status 0 only if every mutant run is caught.
 """
@@ -178,6 +179,11 @@ MUTANTS = (
            "flat.mul_(1 / len(self.dp.ranks))",
            ("tests/test_data_parallel.py::"
             "test_explicit_groups_uneven_shards_vjp_and_gradients_left_alone",), quick=True),
+    Mutant("replicas' state averaged equally, not by their shares of the batch",
+           "_runtime/data_parallel.py", "bucket.mul_(share)",
+           "bucket.mul_(1 / len(self.ranks))",
+           ("tests/test_data_parallel.py::"
+            "test_replicas_state_is_the_share_weighted_mean_the_first_replicas_or_their_own",)),
     Mutant("a tie's copies on several ranks not summed", "_runtime/tie_groups.py",
            "self._bucket(group, members, [t for t, s in enumerate(spans) if s == span])",
            "None",
@@ -222,10 +228,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the quick subset only (CI)")
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
+    parser.add_argument("--only", metavar="TEXT",
+                        help="only the mutants whose name contains TEXT")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds per mutant (a hang counts as caught)")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if m.quick or not args.quick]
+    chosen = [m for m in MUTANTS if (m.quick or not args.quick)
+              and (args.only is None or args.only in m.name)]
     if args.list:
         for m in chosen:
             print(f"{'quick' if m.quick else 'full '}  {m.name}  ({', '.join(m.tests)})")

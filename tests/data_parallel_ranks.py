@@ -237,3 +237,100 @@ def absent(rank: int, world: int) -> dict:
         return {"error": type(exc).__name__, "message": str(exc),
                 "waited": time.monotonic() - start}
     return {"error": None}
+
+
+#: The BatchNorm scenario's shards (uneven) and micro-batches.
+BN_SHARDS, BN_CHUNKS = (5, 3), 2
+
+
+def bn_modules() -> list:
+    """Two stages, each a 1x1 convolution then a (deferred) BatchNorm, in float64: stage 1's
+    statistics depend on stage 0's output, so both ranks of a replica carry state."""
+    from torch import nn
+
+    from fpipe.stages import DeferredBatchNorm
+
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        parts = [nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3)),
+                 nn.Sequential(nn.Conv2d(3, 2, 1), nn.BatchNorm2d(2), nn.Flatten())]
+    return [DeferredBatchNorm.convert(p.double(), BN_CHUNKS) for p in parts]
+
+
+def bn_steps() -> list:
+    """Three global batches of 8 samples: two training steps, then an inference call."""
+    out = []
+    for seed in (40, 41, 42):
+        g = torch.Generator().manual_seed(seed)
+        out.append((torch.randn(8, 2, 2, 2, generator=g, dtype=torch.float64),
+                    torch.randn(8, 8, generator=g, dtype=torch.float64)))
+    return out
+
+
+def bn_state(rank: int, world: int) -> dict:
+    """A (2, 2) mesh, shards of 5 and 3 samples: per ``state_reduce`` ("mean", "broadcast",
+    None), two training steps threading the returned state (``value_and_grad`` then ``vjp``;
+    with "mean", then a stateful inference call); each call's new state of this rank's stage
+    comes back, and what the pipeline's reduction makes of a state of odd leaves."""
+    from fpipe.stages import from_modules
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, worker = device_mesh.get_coordinate()
+    schedule = fdist_schedule("gpipe", BN_CHUNKS)  # for vjp
+    built = from_modules(bn_modules(), stateful=True)
+    steps = bn_steps()
+    out = {}
+    for how in ("mean", "broadcast", None):
+        state = {worker: built.state[worker]}
+        with fdist.pipeline(built.stages, {worker: built.params[worker]}, schedule=schedule,
+                            loss_fn=mse, mesh=device_mesh, state=state, timeout=20,
+                            state_reduce=how) as pipe:
+            x, target = (shard(t, replica, BN_SHARDS) for t in steps[0])
+            _, _, state = pipe.value_and_grad(x if worker == 0 else None,
+                                              target if worker == 1 else None, state=state)
+            states = [plain(state[worker])]
+            x, target = (shard(t, replica, BN_SHARDS) for t in steps[1])
+            y, vjp_fn, state = pipe.vjp(x if worker == 0 else None, state=state)
+            vjp_fn(2 * (y - target) / target.numel() if worker == 1 else None)
+            states.append(plain(state[worker]))
+            if how == "mean":
+                _, state = pipe(shard(steps[2][0], replica, BN_SHARDS) if worker == 0 else None,
+                                state=state)
+                states.append(plain(state[worker]))
+            # Odd leaves, each replica's own: a bool and an int tensor, a Python int, None, a
+            # 0-dim float32; the share is what the pipeline gives this replica.
+            odd = {"flag": torch.tensor([replica == 1, True]), "ids": torch.tensor([replica, 7]),
+                   "n": replica, "none": None, "x": torch.tensor(replica + 1.0)}
+            odd = pipe.data_parallel.agree_state({worker: odd}, BN_SHARDS[replica] / 8,
+                                                 pipe.driver.faults)[worker]
+        out[how] = states
+        out[f"{how} odd"] = {k: v if v is None or isinstance(v, int) else (str(v.dtype), v.tolist())
+                             for k, v in odd.items()}
+    out["gone"] = _replica_gone(built, device_mesh, schedule)
+    return out
+
+
+def _replica_gone(built, device_mesh, schedule) -> tuple | None:
+    """Replica 0 reduces its state, replica 1 never comes: replica 0's wait ends within the
+    pipeline's timeout, as ``(error type, message, seconds waited)``."""
+    import time
+
+    replica, worker = device_mesh.get_coordinate()
+    pipe = fdist.pipeline(built.stages, {worker: built.params[worker]}, schedule=schedule,
+                          loss_fn=mse, mesh=device_mesh, state={worker: built.state[worker]},
+                          timeout=3)
+    if replica == 1:
+        time.sleep(6)
+        return None
+    start = time.monotonic()
+    try:
+        pipe.data_parallel.agree_state({worker: built.state[worker]}, 0.5, pipe.driver.faults)
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None
+
+
+def plain(state: dict) -> dict:
+    """``{name: (dtype name, values as lists)}``: far smaller pickled than tensors, so four
+    ranks' results fit the harness's pipe (exact: Python floats are float64)."""
+    return {k: (str(v.dtype).removeprefix("torch."), v.tolist()) for k, v in state.items()}

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from data_parallel_ranks import LR, MESH_CASES, mesh_steps, shard, uneven_steps
+import torch.nn.functional as F
+from data_parallel_ranks import (
+    BN_CHUNKS,
+    BN_SHARDS,
+    LR,
+    MESH_CASES,
+    bn_modules,
+    bn_steps,
+    mesh_steps,
+    shard,
+    uneven_steps,
+)
 from distributed_ranks import fdist_schedule, spawn
 from models import block, mlp_params, mse, whole_batch
 
@@ -39,6 +50,88 @@ def _check(rank_steps: list, expected: list, held: list) -> None:
         assert sorted(grads) == held
         for s in held:
             torch.testing.assert_close(grads[s], want_grads[s], **TIGHT)
+
+
+def _bn_alone(start: list, x: torch.Tensor) -> list:
+    """Each stage's new state when one process runs the batch ``x`` alone, in plain torch:
+    a stage's BatchNorm updates its running statistics once from its whole input, which is
+    the previous stage's output normalised per micro-batch (as the pipeline runs it)."""
+    out, h = [], x
+    with torch.no_grad():
+        for part, state in zip(bn_modules(), start):
+            conv, bn = part[0], part[1]
+            z = conv(h)
+            mean, var = state["1.running_mean"].clone(), state["1.running_var"].clone()
+            F.batch_norm(z, mean, var, training=True, momentum=bn.momentum, eps=bn.eps)
+            out.append({**state, "1.running_mean": mean, "1.running_var": var,
+                        "1.num_batches_tracked": state["1.num_batches_tracked"] + 1})
+            h = torch.cat([F.batch_norm(piece, None, None, bn.weight, bn.bias, training=True,
+                                        eps=bn.eps) for piece in z.tensor_split(BN_CHUNKS)])
+    return out
+
+
+def _share_mean(per_replica: list) -> list:
+    """The replicas' states (each a list of stage dicts) averaged by their shares of the
+    batch; integer leaves are the first replica's (the replicas' are equal here)."""
+    shares = [n / sum(BN_SHARDS) for n in BN_SHARDS]
+    return [{k: sum(w * states[s][k] for w, states in zip(shares, per_replica))
+             if v.is_floating_point() else v for k, v in per_replica[0][s].items()}
+            for s in range(len(per_replica[0]))]
+
+
+def test_replicas_state_is_the_share_weighted_mean_the_first_replicas_or_their_own():
+    """A real (deferred) BatchNorm on both workers of a (2, 2) mesh, shards of 5 and 3
+    samples, two training steps threading the state, then (with "mean") a stateful inference
+    call: after each call every replica holds, bitwise alike, the share-weighted mean of what
+    each would have computed alone; "broadcast" gives replica 0's; None keeps each its own,
+    which differ. Last, a replica that never comes stops the other's reduction with a
+    PeerError within the timeout."""
+    from fpipe.stages import from_modules
+
+    results, codes = spawn("data_parallel_ranks:bn_state", 4, timeout=120)
+    _ok(results, codes)
+    start = from_modules(bn_modules(), stateful=True).state
+    calls = bn_steps()
+    shards = [[shard(x, r, BN_SHARDS) for r in (0, 1)] for x, _ in calls]
+    expected = {"mean": [], "broadcast": [], None: []}
+    mean, first, own = start, start, [start, start]
+    for call, xs in enumerate(shards):
+        mean = _share_mean([_bn_alone(mean, x) for x in xs])
+        expected["mean"].append([mean, mean])
+        if call < 2:
+            first = _bn_alone(first, xs[0])
+            own = [_bn_alone(own[r], xs[r]) for r in (0, 1)]
+            expected["broadcast"].append([first, first])
+            expected[None].append(own)
+    for how, calls_expected in expected.items():
+        for call, want in enumerate(calls_expected):
+            for rank, result in enumerate(results):
+                replica, worker = divmod(rank, 2)
+                got = {k: torch.tensor(v, dtype=getattr(torch, dtype))
+                       for k, (dtype, v) in result[how][call].items()}
+                assert sorted(got) == sorted(want[replica][worker]), (how, call, rank)
+                for name, value in want[replica][worker].items():
+                    torch.testing.assert_close(got[name], value, **TIGHT,
+                                               msg=f"{how} call {call} rank {rank} {name}")
+                if how is not None:  # both replicas hold the very same bits
+                    assert result[how][call] == results[(rank + 2) % 4][how][call]
+    for rank, result in enumerate(results):  # floats reduced, integers broadcast or kept
+        replica = rank // 2
+        own = {"flag": ("torch.bool", [replica == 1, True]), "ids": ("torch.int64", [replica, 7]),
+               "n": replica, "none": None, "x": ("torch.float32", replica + 1.0)}
+        assert result["None odd"] == own
+        assert result["mean odd"] == {**own, "x": ("torch.float32", 5 / 8 * 1 + 3 / 8 * 2)}
+        assert result["broadcast odd"] == {**own, "flag": ("torch.bool", [False, True]),
+                                           "ids": ("torch.int64", [0, 7]),
+                                           "x": ("torch.float32", 1.0)}
+    for rank in (0, 1):  # replica 1 never reduced its state: replica 0 stopped in time
+        kind, message, waited = results[rank]["gone"]
+        assert kind == "PeerError" and "the state of stage(s)" in message, message
+        assert waited < 30
+    assert results[2]["gone"] is None and results[3]["gone"] is None
+    for worker in (0, 1):  # left alone, the replicas' statistics drift apart
+        assert (results[worker][None][1]["1.running_mean"]
+                != results[worker + 2][None][1]["1.running_mean"])
 
 
 def test_two_replicas_on_a_mesh_give_the_whole_batch_loss_and_gradients():
@@ -149,12 +242,13 @@ def test_buckets_group_leaves_by_dtype_within_the_cap(cap, expected):
     assert sorted(_buckets(grads, cap)) == sorted(expected)
 
 
-@pytest.mark.parametrize("reduce, bucket_mb, match", [("sum", 25.0, "grad_reduce"),
-                                                       ("mean", 0, "bucket_mb"),
-                                                       (None, "big", "bucket_mb")])
-def test_bad_reduction_options_are_refused(reduce, bucket_mb, match):
+@pytest.mark.parametrize("reduce, bucket_mb, state_reduce, match", [
+    ("sum", 25.0, "mean", "grad_reduce"), ("mean", 0, "mean", "bucket_mb"),
+    (None, "big", None, "bucket_mb"),
+    ("mean", 25.0, "sum", "state_reduce must be 'mean', 'broadcast' or None, got 'sum'")])
+def test_bad_reduction_options_are_refused(reduce, bucket_mb, state_reduce, match):
     with pytest.raises(ValueError, match=match):
-        DataParallel.check_options(reduce, bucket_mb)
+        DataParallel.check_options(reduce, bucket_mb, state_reduce)
 
 
 def test_a_tie_across_workers_of_two_replicas_and_its_global_norm(

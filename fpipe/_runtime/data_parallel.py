@@ -12,7 +12,11 @@ replicas. Per step, in this order on every rank of that group (so collectives pa
    share ``n / N``, flattened into buckets of at most ``bucket_bytes`` per dtype and
    all-reduced (sum) asynchronously, so the reduction overlaps the rest of the drain; the
    buckets are waited for when the step's gradients are returned;
-3. the loss: one all-reduce of ``loss * n / N``.
+3. the loss: one all-reduce of ``loss * n / N``;
+4. with state (:meth:`DataParallel.agree_state`, after a training step or a stateful
+   inference call), the state made alike on every replica as ``state_reduce=`` says: each
+   floating-point tensor leaf the share-weighted mean (one all-reduce per dtype, bucketed as
+   the gradients are), or every tensor leaf broadcast from the group's first replica.
 
 The sum of share-weighted means is the mean over the global batch, whatever the shards' sizes,
 so every replica returns the same loss and gradients, and an optimiser step applied alike keeps
@@ -25,18 +29,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 
 from fpipe._runtime.faults import RankFaults
 from fpipe._runtime.microbatch import check_size
+from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Op
 
-__all__ = ["DataParallel", "GradReduce", "REDUCTIONS", "mesh_groups"]
+__all__ = ["DataParallel", "GradReduce", "REDUCTIONS", "STATE_REDUCTIONS", "mesh_groups"]
 
 #: What ``grad_reduce=`` may say: the global batch's mean, or gradients left to the caller.
 REDUCTIONS = ("mean", None)
+#: What ``state_reduce=`` may say: the share-weighted mean of the replicas' new state, the
+#: first replica's, or each replica its own.
+STATE_REDUCTIONS = ("mean", "broadcast", None)
 _FINAL = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
 
 
@@ -45,16 +54,23 @@ class DataParallel:
     step's gradients are reduced over it."""
 
     def __init__(self, group: Any, ranks: Sequence[int], reduce: str | None,
-                 bucket_bytes: int, wire: torch.device) -> None:
+                 bucket_bytes: int, wire: torch.device,
+                 state_reduce: str | None = "mean") -> None:
         self.group, self.ranks = group, tuple(ranks)
         self.reduce, self.bucket_bytes, self.wire = reduce, bucket_bytes, wire
+        self.state_reduce = state_reduce
         self.peer = next((r for r in self.ranks if r != dist.get_rank()), self.ranks[0])
 
     @staticmethod
-    def check_options(reduce: str | None, bucket_mb: float) -> None:
-        """``grad_reduce=`` and ``bucket_mb=`` checked (with or without ``data_parallel``)."""
+    def check_options(reduce: str | None, bucket_mb: float,
+                      state_reduce: str | None = "mean") -> None:
+        """``grad_reduce=``, ``bucket_mb=`` and ``state_reduce=`` checked (with or without
+        ``data_parallel``)."""
         if reduce not in REDUCTIONS:
             raise ValueError(f"grad_reduce must be 'mean' or None, got {reduce!r}")
+        if state_reduce not in STATE_REDUCTIONS:
+            raise ValueError(f"state_reduce must be 'mean', 'broadcast' or None, got "
+                             f"{state_reduce!r}")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
 
@@ -108,6 +124,49 @@ class DataParallel:
         faults.wait(dist.all_reduce(message, group=self.group, async_op=True),
                     "the loss of its data-parallel replicas", self.peer)
         return message[0].to(loss.device, loss.dtype)
+
+    def agree_state(self, states: dict[int, Any], share: float, faults: RankFaults) -> dict:
+        """``{stage: new state}`` of this rank's stages, made alike on every replica as
+        ``state_reduce`` says. ``"mean"``: each floating-point tensor leaf becomes the mean of
+        the replicas' weighted by their ``share`` of the global batch (the gradients' weights;
+        BatchNorm's running mean, linear in the batch mean, is then the one a replica given
+        the whole batch's mean would keep); other leaves stay this replica's. ``"broadcast"``:
+        every tensor leaf becomes the first replica's (DDP's ``broadcast_buffers``); leaves that
+        are not tensors stay. Leaves are reduced in buckets per dtype, each wait bounded by the
+        pipeline's timeout; the tensors returned are new (the step's are not written)."""
+        how = self.state_reduce
+        if how is None:
+            return states
+        flat = {s: tree_flatten(tree) for s, tree in sorted(states.items())}
+        picked = [(s, i) for s, (leaves, _) in flat.items() for i, leaf in enumerate(leaves)
+                  if torch.is_tensor(leaf) and (how == "broadcast" or leaf.is_floating_point())]
+        tensors = [flat[s][0][i].detach() for s, i in picked]
+        source = self.ranks[0]
+        launched = []
+        with torch.no_grad():
+            for indices in _buckets(tensors, self.bucket_bytes):
+                bucket = torch.cat([_wire_view(tensors[k]).reshape(-1).to(self.wire)
+                                    for k in indices])
+                if how == "mean":
+                    bucket.mul_(share)
+                    work = dist.all_reduce(bucket, group=self.group, async_op=True)
+                else:
+                    work = dist.broadcast(bucket, source, group=self.group, async_op=True)
+                launched.append((indices, bucket, work))
+        out = {s: list(leaves) for s, (leaves, _) in flat.items()}
+        peer = self.peer if how == "mean" or source == dist.get_rank() else source
+        for indices, bucket, work in launched:
+            stages = sorted({picked[k][0] for k in indices})
+            faults.wait(work, f"the state of stage(s) {stages} from its data-parallel "
+                        f"replicas", peer, stages[0])
+            offset = 0
+            for k in indices:
+                stage, i = picked[k]
+                leaf = tensors[k]
+                piece = bucket[offset:offset + leaf.numel()].view(leaf.shape)
+                out[stage][i] = piece.to(leaf.device, leaf.dtype)
+                offset += leaf.numel()
+        return {s: optree.tree_unflatten(spec, out[s]) for s, (_, spec) in flat.items()}
 
 
 class GradReduce:
@@ -180,6 +239,11 @@ def _buckets(grads: list, cap: int) -> list[list[int]]:
             indices, used = [], 0
         open_[grad.dtype] = (indices + [i], used + size)
     return done + [indices for indices, _ in open_.values() if indices]
+
+
+def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a type every backend carries: booleans as bytes."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
 def mesh_groups(group: Any, mesh: Any, data_parallel: Any) -> tuple[Any, Any]:
