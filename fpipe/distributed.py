@@ -25,25 +25,22 @@ refused, since two threads' calls could not be ordered alike on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
-from fpipe._runtime.autodiff import flatten
-from fpipe._runtime.data_parallel import DataParallel, GradReduce, mesh_groups
+from fpipe._runtime.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
     check_training,
     input_grads,
     nonfinite_error,
-    output_cotangent,
     returned_loss,
 )
 from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
@@ -52,9 +49,10 @@ from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params
 from fpipe._runtime.rank_calls import Calls
 from fpipe._runtime.rank_driver import RankDriver, backend_for
-from fpipe._runtime.rank_inputs import Held, held_device, seat, to
+from fpipe._runtime.rank_inputs import Held, held_device, seat
+from fpipe._runtime.rank_results import Replica, Results
 from fpipe._runtime.rng import StepSeed
-from fpipe._runtime.step import Step, Vjp
+from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.tie_groups import TieGroups
 from fpipe.errors import NonFiniteLossError, PlacementError
@@ -244,8 +242,10 @@ class DistributedPipeline:
         logger.info("%r: ranks %s%s", self, list(self.ranks),
                     "" if replicas is None else f", replicas on ranks {list(replicas)}")
         # Collective: every rank checks the tie map and makes the tie groups alike.
-        self._ties = TieGroups(ties, self.params, program.placement, self.ranks, self.rank,
+        tie_groups = TieGroups(ties, self.params, program.placement, self.ranks, self.rank,
                                self.device, self.wire, grad_dtype, timeout, self.driver.faults)
+        self._results = Results(self.data_parallel, tie_groups, self.driver.faults,
+                                self.param_specs)
 
     @property
     def chunks(self) -> int:
@@ -263,7 +263,7 @@ class DistributedPipeline:
         step, _, replica = self._step(self.inference_program, False, x, None, params, state,
                                       record)
         y = microbatch.join(step.outputs) if self.worker == self.program.placement[-1] else None
-        return (y, self._held_state(step, replica)) if self.stateful else y
+        return (y, self._results.state(step, replica)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
                        params: Mapping[int, Any] | None = None,
@@ -276,10 +276,8 @@ class DistributedPipeline:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
         step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
                                                   record)
-        grads = self._grads(step, replica)
-        if replica is not None:
-            loss = self.driver.faults.guarded(
-                lambda: self.data_parallel.loss(loss, replica.share, self.driver.faults))
+        grads = self._results.grads(step, replica)
+        loss = self._results.loss(loss, replica)
         # Every rank has each micro-batch's loss (and the global loss), so every rank refuses
         # a non-finite one; the step itself ended in lockstep, so the pipeline stays usable.
         if self.nonfinite == "raise":
@@ -292,15 +290,9 @@ class DistributedPipeline:
             if error is not None:
                 raise error
         loss = returned_loss(loss)
-        return (loss, grads, self._held_state(step, replica)) if self.stateful else (loss, grads)
-
-    def _held_state(self, step: Step, replica: _Replica | None) -> dict:
-        """This rank's new ``{stage: state}``, made alike on every replica (``state_reduce``)."""
-        state = {s: step.state[s] for s in self.stages_held}
-        if replica is None:
-            return state
-        return self.driver.faults.guarded(lambda: self.data_parallel.agree_state(
-            state, replica.share, self.driver.faults))
+        if self.stateful:
+            return loss, grads, self._results.state(step, replica)
+        return loss, grads
 
     def close(self) -> None:
         """Collective: wait until every rank of the pipeline (and of its data-parallel group)
@@ -318,7 +310,7 @@ class DistributedPipeline:
         self.driver.close()
 
     def _forget(self) -> None:
-        self.group = self.data_parallel = self._ties = None
+        self.group = self.data_parallel = self._results = None
         self.driver.forget()
 
     def __enter__(self) -> DistributedPipeline:
@@ -359,54 +351,25 @@ class DistributedPipeline:
         with self._calls.alone():
             step, channel, replica = self._begin(self.program, 2, x, None, params, state,
                                                  None)
-            with self._seeded(step):
+            with self.driver.seeded(step):
                 self.driver.faults.guarded(
                     lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
-            new_state = self._held_state(step, replica) if self.stateful else None
+            new_state = self._results.state(step, replica) if self.stateful else None
         pending = self._calls.pending = object()
         last = self.worker == self.program.placement[-1]
 
         def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
             with self._calls.alone(pending):
                 self._calls.pending = None
-                self.driver.faults.guarded(
-                    lambda: self._backward(step, channel, plan, cotangent, replica))
-                grads = self._grads(step, replica)
+                self.driver.faults.guarded(lambda: self.driver.backward(
+                    step, channel, after_turn(plan[self.worker]), cotangent,
+                    None if replica is None else replica.reduce))
+                grads = self._results.grads(step, replica)
             first = self.worker == self.program.placement[0]
             return grads, input_grads(step.inputs, step.ends.grads) if first else None
 
         y = microbatch.join([out.tree() for out in step.outputs]) if last else None
         return (y, vjp_fn, new_state) if self.stateful else (y, vjp_fn)
-
-    def _backward(self, step: Step, channel: Any, plan: tuple, cotangent: Any,
-                  replica: _Replica | None) -> None:
-        """The second call of a :meth:`vjp` step: everything after the forwards."""
-        if self.worker == self.program.placement[-1]:
-            if cotangent is None:
-                raise ValueError(f"rank {self.rank} holds the last stage, so vjp_fn needs the "
-                                 f"output's cotangent")
-            pieces = microbatch.split(to(cotangent, self.device), self.chunks, "cotangent")
-            step.ends.cotangents = [output_cotangent(out, piece, m)
-                                    for m, (out, piece) in enumerate(zip(step.outputs,
-                                                                         pieces))]
-        with self._seeded(step):
-            self.driver.run(step, after_turn(plan[self.worker]), channel,
-                            None if replica is None else replica.reduce)
-        self.driver.finish(step, channel, False)
-
-    # -- a step's gradients --------------------------------------------------------------------
-
-    def _grads(self, step: Step, replica: _Replica | None) -> dict:
-        """``{stage: grads}`` of this rank's stages: the step's sums, then their reductions,
-        in this one place: data parallel (launched during the step, waited for here), then tied
-        leaves summed across stages and ranks (a collective). Both are sums, so the order does
-        not change the result."""
-        grads = step.grads.out()
-        if replica is not None and replica.reduce is not None:
-            grads = self.driver.faults.guarded(lambda: replica.reduce.apply(grads, step.grads))
-        grads = self.driver.faults.guarded(lambda: self._ties(grads))
-        return {s: optree.tree_unflatten(self.param_specs[s], grads[s])
-                for s in self.stages_held}
 
     def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None, bucket_mb: float,
                   state_reduce: str | None) -> DataParallel:
@@ -421,7 +384,7 @@ class DistributedPipeline:
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None) -> tuple[Step, tuple | None, _Replica | None]:
+              record: Recorder | None) -> tuple[Step, tuple | None, Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         what = f"{'training' if training else 'forward'} step on rank {self.rank}"
         with self._calls.alone(), self._times.step(what):
@@ -429,23 +392,14 @@ class DistributedPipeline:
                                                  state, record)
             plan = self.driver.plan(program, training, self.stateful)
             reduce = None if replica is None else replica.reduce
-            with self._seeded(step):
+            with self.driver.seeded(step):
                 return step, self.driver.faults.guarded(
                     lambda: self.driver.run_all(step, plan[self.worker], channel, training,
                                                 reduce)), replica
 
-    @contextlib.contextmanager
-    def _seeded(self, step: Step) -> Iterator[None]:
-        """The caller's generators as they were, after a run that drew from them."""
-        seed = StepSeed([self.device], step.seed)
-        try:
-            yield
-        finally:
-            seed.restore()
-
     def _begin(self, program: Program, call: int, x: Any, target: Any,
                params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-               record: Recorder | None) -> tuple[Step, Any, _Replica | None]:
+               record: Recorder | None) -> tuple[Step, Any, Replica | None]:
         """A new step, agreed with every rank (the header), its channel, and with data
         parallelism in training (or with state), this replica's share of the global batch and
         its gradients' reduction."""
@@ -463,42 +417,8 @@ class DistributedPipeline:
             seed.restore()
         if error is not None:  # every rank knows it, so every rank raises it by itself
             raise error
-        replica = None
-        if self.data_parallel is not None and (training or self.stateful):
-            # Every replica learns the global batch (the state's weights too); a shard too
-            # small stops them all.
-            total = self.data_parallel.total(n, self.chunks, self.driver.faults)
-            replica = _Replica(n / total, self.data_parallel.step(
-                n / total, self.driver.faults, self.stages_held) if training else None)
-        else:  # every rank knows n, so every rank raises this by itself
-            microbatch.check_size(n, self.chunks)
-        step, channel = self.driver.faults.guarded(lambda: self._new_step(
-            program, training, call == 2, leaves, states, x, target, n, seed_value, record))
+        replica = self._results.replica(n, self.chunks, training, self.stateful)
+        step, channel = self.driver.faults.guarded(lambda: self.driver.new_step(
+            program, training, call == 2, leaves, states, x, target, n, seed_value, record,
+            self.stateful))
         return step, channel, replica
-
-    def _new_step(self, program: Program, training: bool, open_ended: bool, params: list,
-                  states: list, x: Any, target: Any, n: int, seed: int,
-                  record: Recorder | None) -> tuple[Step, Any]:
-        owners, last = program.placement, len(params) - 1
-        sizes = microbatch.sizes(n, self.chunks)
-        inputs = targets = None
-        if self.worker == owners[0]:
-            inputs = [flatten(mb) for mb in microbatch.split(to(x, self.device), self.chunks)]
-        if self.worker == owners[last] and training and not open_ended and target is not None:
-            # its size was checked against n by every rank, in the header
-            targets = microbatch.split(to(target, self.device), self.chunks, "target")
-        clock = None if record is None else record.clock(
-            owners, program.n_workers, [self.device] * program.n_stages)
-        weights = [1.0] * len(sizes) if open_ended else [size / n for size in sizes]
-        step = Step(params, states, inputs, targets, weights, sizes, seed, training,
-                    lambda: None, ends=Vjp(len(sizes)) if open_ended else None, clock=clock)
-        plan = self.driver.plan(program, training, self.stateful)
-        return step, self.driver.channel(program, training, plan)
-
-
-class _Replica(NamedTuple):
-    """A data-parallel step's part: this replica's share of the global batch and the
-    reduction of its gradients (``None`` with ``grad_reduce=None`` or in inference)."""
-
-    share: float
-    reduce: GradReduce | None

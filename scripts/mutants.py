@@ -196,7 +196,7 @@ MUTANTS = (
            "name = local if table is None else table[local]", "name = local",
            ("tests/test_saving.py",), quick=True),
     Mutant("the target's size not told to the other ranks", "_runtime/rank_driver.py",
-           "header[5] = microbatch.batch_size(target, \"target\") + 1", "header[5] = 0",
+           "header[5] = _size(target, \"target\", errors) + 1", "header[5] = 0",
            ("tests/test_faces.py",)),
 )
 

@@ -175,7 +175,7 @@ def unclosed(rank: int, world: int) -> dict:
     pipe.cycle = pipe
     before = pipe._calls in rank_calls._OPEN and pipe.group is not None
     rank_calls._forget_all()  # what the interpreter's exit runs
-    return {"before": before, "after": (pipe.group, pipe.driver.links, pipe._ties)}
+    return {"before": before, "after": (pipe.group, pipe.driver.links, pipe._results)}
 
 
 #: The tie of :func:`mesh_ties`: the two stages' weight matrices are one tensor.

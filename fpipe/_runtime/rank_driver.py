@@ -7,20 +7,27 @@ last stage."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
+from fpipe._runtime.autodiff import flatten
 from fpipe._runtime.data_parallel import GradReduce
+from fpipe._runtime.engine import output_cotangent
 from fpipe._runtime.faults import RankFaults, at_rank
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.p2p import RankChannel, make_groups, send_orders
-from fpipe._runtime.step import Step
+from fpipe._runtime.rank_inputs import to
+from fpipe._runtime.rng import StepSeed
+from fpipe._runtime.step import Step, Vjp
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program
+from fpipe.timeline import Recorder
 
 __all__ = ["RankDriver", "backend_for", "CALLS"]
 
@@ -113,6 +120,53 @@ class RankDriver:
             return n, seed, BatchError(f"the input has {n} samples but the target has "
                                        f"{target_size - 1}")
         return n, seed, None
+
+    def new_step(self, program: Program, training: bool, open_ended: bool, params: list,
+                 states: list, x: Any, target: Any, n: int, seed: int, record: Recorder | None,
+                 stateful: bool) -> tuple[Step, RankChannel]:
+        """A step of ``n`` samples agreed by the header: this rank's micro-batches of ``x``
+        (stage 0's rank) and ``target`` (the last stage's, in a loss step), and its channel.
+        ``open_ended``: a vjp step, whose cotangents come later."""
+        owners, chunks = program.placement, program.n_microbatches
+        sizes = microbatch.sizes(n, chunks)
+        inputs = targets = None
+        if self.rank == owners[0]:
+            inputs = [flatten(mb) for mb in microbatch.split(to(x, self.device), chunks)]
+        if self.rank == owners[-1] and training and not open_ended and target is not None:
+            # its size was checked against n by every rank, in the header
+            targets = microbatch.split(to(target, self.device), chunks, "target")
+        clock = None if record is None else record.clock(
+            owners, program.n_workers, [self.device] * program.n_stages)
+        weights = [1.0] * len(sizes) if open_ended else [size / n for size in sizes]
+        step = Step(params, states, inputs, targets, weights, sizes, seed, training,
+                    lambda: None, ends=Vjp(len(sizes)) if open_ended else None, clock=clock)
+        return step, self.channel(program, training, self.plan(program, training, stateful))
+
+    @contextlib.contextmanager
+    def seeded(self, step: Step) -> Iterator[None]:
+        """Run with the step's seed; the caller's generators as they were after."""
+        seed = StepSeed([self.device], step.seed)
+        try:
+            yield
+        finally:
+            seed.restore()
+
+    def backward(self, step: Step, channel: RankChannel, actions: tuple, cotangent: Any,
+                 reduce: GradReduce | None) -> None:
+        """The second call of a vjp step: this rank's ``actions`` after the forwards, from
+        the output's ``cotangent`` (on the last stage's rank), then the step's end."""
+        program = self.program
+        if self.rank == program.placement[-1]:
+            if cotangent is None:
+                raise ValueError(f"rank {self.ranks[self.rank]} holds the last stage, so "
+                                 f"vjp_fn needs the output's cotangent")
+            pieces = microbatch.split(to(cotangent, self.device), program.n_microbatches,
+                                      "cotangent")
+            step.ends.cotangents = [output_cotangent(out, piece, m) for m, (out, piece)
+                                    in enumerate(zip(step.outputs, pieces))]
+        with self.seeded(step):
+            self.run(step, actions, channel, reduce)
+        self.finish(step, channel, False)
 
     def channel(self, program: Program, training: bool, plan: tuple) -> RankChannel:
         """A step's channel: its receives are posted at once."""

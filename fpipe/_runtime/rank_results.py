@@ -1,0 +1,76 @@
+"""What turns one rank's step into the job's: with data parallelism, the replica's share of
+the global batch, its gradients' reduction, its loss and its state made alike on every replica;
+then the tied leaves' gradients summed across stages and ranks. All of it happens here, in one
+order, after the rank's actions (the gradient buckets are launched during them, by
+:meth:`fpipe._runtime.rank_driver.RankDriver.run`, and waited for here)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fpipe._runtime import microbatch
+from fpipe._runtime.data_parallel import DataParallel, GradReduce
+from fpipe._runtime.faults import RankFaults
+from fpipe._runtime.step import Step
+from fpipe._runtime.tie_groups import TieGroups
+
+__all__ = ["Replica", "Results"]
+
+
+class Replica(NamedTuple):
+    """A data-parallel step's part: this replica's share of the global batch and the
+    reduction of its gradients (``None`` with ``grad_reduce=None`` or in inference)."""
+
+    share: float
+    reduce: GradReduce | None
+
+
+class Results:
+    """One rank's reductions: ``data_parallel`` (``None`` without replicas) and ``ties`` over
+    this rank's ``stages`` (their parameter structures, ``{stage: treespec}``)."""
+
+    def __init__(self, data_parallel: DataParallel | None, ties: TieGroups | None,
+                 faults: RankFaults, specs: Mapping[int, Any]) -> None:
+        self.data_parallel, self.ties, self.faults, self.specs = data_parallel, ties, faults, specs
+
+    def replica(self, n: int, chunks: int, training: bool, stateful: bool) -> Replica | None:
+        """This replica's part of a step of ``n`` samples, when the replicas have one (training,
+        or state to agree on): every replica learns the global batch, so a shard too small for
+        ``chunks`` stops them all alike. Without replicas every rank knows ``n`` and refuses a
+        batch too small by itself."""
+        dp = self.data_parallel
+        if dp is None or not (training or stateful):
+            microbatch.check_size(n, chunks)
+            return None
+        share = n / dp.total(n, chunks, self.faults)
+        return Replica(share, dp.step(share, self.faults, tuple(self.specs))
+                       if training else None)
+
+    def grads(self, step: Step, replica: Replica | None) -> dict:
+        """``{stage: grads}`` of this rank's stages: the step's sums, then the replicas'
+        reduction (waited for here), then tied leaves summed across stages and ranks (a
+        collective). Both are sums, so the order does not change the result."""
+        grads = step.grads.out()
+        if replica is not None and replica.reduce is not None:
+            grads = self.faults.guarded(lambda: replica.reduce.apply(grads, step.grads))
+        grads = self.faults.guarded(lambda: self.ties(grads))
+        return {s: optree.tree_unflatten(spec, grads[s]) for s, spec in self.specs.items()}
+
+    def loss(self, loss: torch.Tensor, replica: Replica | None) -> torch.Tensor:
+        """The global batch's loss on every replica (this replica's own without replicas)."""
+        if replica is None:
+            return loss
+        return self.faults.guarded(
+            lambda: self.data_parallel.loss(loss, replica.share, self.faults))
+
+    def state(self, step: Step, replica: Replica | None) -> dict:
+        """This rank's new ``{stage: state}``, made alike on every replica (``state_reduce``)."""
+        state = {s: step.state[s] for s in self.specs}
+        if replica is None:
+            return state
+        return self.faults.guarded(
+            lambda: self.data_parallel.agree_state(state, replica.share, self.faults))
