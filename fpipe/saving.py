@@ -39,7 +39,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime import saved_groups
+from fpipe._runtime import saved_groups, teardown
 from fpipe._runtime.trees import leaf_names, stage_items
 
 __all__ = ["save", "load", "load_module", "names"]
@@ -65,6 +65,8 @@ def _dcp(process_group: Any = None) -> Any:
                           "which use it; pip install numpy (or 'fpipe[saving]')")
     import torch.distributed.checkpoint as dcp
 
+    if dist.is_available() and dist.is_initialized():
+        teardown.used()  # its last collectives must settle before the interpreter's teardown
     return dcp
 
 

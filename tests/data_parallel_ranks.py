@@ -164,7 +164,7 @@ def closing(rank: int, world: int) -> dict:
 def unclosed(rank: int, world: int) -> dict:
     """A pipeline never closed, kept alive by a reference cycle past the script's end: the
     exit hook drops its groups while the interpreter still runs."""
-    from fpipe._runtime import rank_calls
+    from fpipe._runtime import teardown
 
     schedule, full = fdist_schedule("1f1b", 2), mlp_params(2)
     full[1]["b"] = full[0]["b"].clone()
@@ -173,8 +173,8 @@ def unclosed(rank: int, world: int) -> dict:
                           timeout=20, ties=[[(0, "b"), (1, "b")]])
     pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None)
     pipe.cycle = pipe
-    before = pipe._calls in rank_calls._OPEN and pipe.group is not None
-    rank_calls._forget_all()  # what the interpreter's exit runs
+    before = pipe._calls in teardown.OPEN and pipe.group is not None
+    teardown._before_teardown()  # what the interpreter's exit runs
     return {"before": before, "after": (pipe.group, pipe.driver.links, pipe._results)}
 
 

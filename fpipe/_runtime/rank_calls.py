@@ -5,33 +5,29 @@ reach every rank in one order."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 
 from fpipe._runtime.faults import RankFaults
+from fpipe._runtime.teardown import OPEN, used
 
 __all__ = ["Calls"]
-
-
-#: The calls of every pipeline of this process not yet closed (see :func:`_forget_all`).
-_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 class Calls:
     """One pipeline's call state on this rank: ``pending`` is the step a ``vjp`` began (until
     its ``vjp_fn`` runs), ``closed`` whether ``close()`` ran. ``forget()`` drops the
     pipeline's references to its process groups: after ``close()``, and at the interpreter's
-    exit for a pipeline never closed."""
+    exit for a pipeline never closed (:mod:`fpipe._runtime.teardown`)."""
 
     def __init__(self, faults: RankFaults, forget: Callable[[], None]) -> None:
         self.faults, self.forget = faults, forget
         self.running = threading.Lock()
         self.pending: object | None = None
         self.closed = False
-        _OPEN.add(self)
+        OPEN.add(self)
+        used()
 
     @contextlib.contextmanager
     def alone(self, pending: object | None = None) -> Iterator[None]:
@@ -68,7 +64,7 @@ class Calls:
                                "distributed pipeline; close it from the thread that calls it")
         try:
             self.closed, self.pending = True, None
-            _OPEN.discard(self)
+            OPEN.discard(self)
             if self.faults.broken is None:
                 self.faults.guarded(release)
         finally:
@@ -83,7 +79,7 @@ class Calls:
         if self.closed:
             return
         self.closed, self.pending = True, None
-        _OPEN.discard(self)
+        OPEN.discard(self)
         try:
             if self.faults.broken is None:
                 self.faults.stop_everyone(error)
@@ -91,14 +87,3 @@ class Calls:
             pass
         finally:
             self.forget()
-
-
-@atexit.register
-def _forget_all() -> None:
-    """A pipeline never closed still refers to fpipe's process groups when the script ends;
-    ``destroy_process_group()`` shuts them down but leaves their destruction to whoever holds
-    them last. Dropping fpipe's references here destroys them while the interpreter still runs,
-    rather than during its teardown, where a gloo group's destruction can abort the process.
-    Sends nothing: the peers may be gone."""
-    for calls in list(_OPEN):
-        calls.forget()
