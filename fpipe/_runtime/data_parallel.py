@@ -26,7 +26,7 @@ which a failure aborts (:mod:`fpipe._runtime.faults`) without touching the calle
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import optree
@@ -145,8 +145,7 @@ class DataParallel:
         launched = []
         with torch.no_grad():
             for indices in _buckets(tensors, self.bucket_bytes):
-                bucket = torch.cat([_wire_view(tensors[k]).reshape(-1).to(self.wire)
-                                    for k in indices])
+                bucket = _pack(tensors, indices, self.wire)
                 if how == "mean":
                     bucket.mul_(share)
                     work = dist.all_reduce(bucket, group=self.group, async_op=True)
@@ -159,13 +158,9 @@ class DataParallel:
             stages = sorted({picked[k][0] for k in indices})
             faults.wait(work, f"the state of stage(s) {stages} from its data-parallel "
                         f"replicas", peer, stages[0])
-            offset = 0
-            for k in indices:
+            for k, piece in _unpack(bucket, tensors, indices):
                 stage, i = picked[k]
-                leaf = tensors[k]
-                piece = bucket[offset:offset + leaf.numel()].view(leaf.shape)
-                out[stage][i] = piece.to(leaf.device, leaf.dtype)
-                offset += leaf.numel()
+                out[stage][i] = piece
         return {s: optree.tree_unflatten(spec, out[s]) for s, (_, spec) in flat.items()}
 
 
@@ -202,7 +197,7 @@ class GradReduce:
             return
         with torch.no_grad():
             for indices in _buckets(grads, self.dp.bucket_bytes):
-                flat = torch.cat([grads[i].reshape(-1).to(self.dp.wire) for i in indices])
+                flat = _pack(grads, indices, self.dp.wire)
                 flat.mul_(self.share)
                 work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
                 self.buckets.append((stage, indices, flat, work))
@@ -216,12 +211,8 @@ class GradReduce:
         for stage, indices, flat, work in self.buckets:
             self.faults.wait(work, f"the gradients of stage {stage} from its data-parallel "
                              f"replicas", self.dp.peer, stage)
-            offset = 0
-            for i in indices:
-                leaf = grads[stage][i]
-                piece = flat[offset:offset + leaf.numel()].view(leaf.shape)
-                grads[stage][i] = piece.to(leaf.device, leaf.dtype)
-                offset += leaf.numel()
+            for i, piece in _unpack(flat, grads[stage], indices):
+                grads[stage][i] = piece
         self.buckets.clear()
         return grads
 
@@ -241,9 +232,24 @@ def _buckets(grads: list, cap: int) -> list[list[int]]:
     return done + [indices for indices, _ in open_.values() if indices]
 
 
-def _wire_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a type every backend carries: booleans as bytes."""
-    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+def _pack(tensors: Sequence[torch.Tensor], indices: list[int],
+          wire: torch.device) -> torch.Tensor:
+    """One bucket: the tensors at ``indices`` flattened end to end on ``wire``, in a type
+    every backend carries (booleans as bytes)."""
+    return torch.cat([(t.view(torch.uint8) if t.dtype == torch.bool else t).reshape(-1).to(wire)
+                      for t in (tensors[i] for i in indices)])
+
+
+def _unpack(bucket: torch.Tensor, tensors: Sequence[torch.Tensor],
+            indices: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(i, piece)`` for each index of a :func:`_pack`ed bucket: its part of ``bucket`` with
+    the shape, device and dtype of ``tensors[i]``."""
+    offset = 0
+    for i in indices:
+        like = tensors[i]
+        yield i, bucket[offset:offset + like.numel()].view(like.shape).to(like.device,
+                                                                          like.dtype)
+        offset += like.numel()
 
 
 def mesh_groups(group: Any, mesh: Any, data_parallel: Any) -> tuple[Any, Any]:

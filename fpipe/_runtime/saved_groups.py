@@ -43,16 +43,21 @@ def nested_groups(groups: dict[str, Any]) -> set[int]:
     return {int(m.group(1)) for key in groups if (m := _NESTED.fullmatch(key))}
 
 
+def _name(key: str) -> str:
+    """The parameter name in a flat entry's key: ``param_groups.<name>.<key>``."""
+    return key[len("param_groups."):].rpartition(".")[0]
+
+
 def flat_names(groups: dict[str, Any]) -> set[str]:
     """The parameter names a flat checkpoint holds hyper-parameters for."""
-    return {key[len("param_groups."):].rpartition(".")[0] for key in groups}
+    return {_name(key) for key in groups}
 
 
 def request(groups: dict[str, Any], nested: bool, wanted: set[str]) -> dict[str, Any]:
     """What to read: every group of a nested checkpoint (a few entries, and only they say
     which names they hold), or a flat checkpoint's entries for the ``wanted`` names."""
     return {key: placeholder(saved) for key, saved in groups.items()
-            if nested or key[len("param_groups."):].rpartition(".")[0] in wanted}
+            if nested or _name(key) in wanted}
 
 
 def by_name(values: dict[str, Any], nested: bool) -> dict[str, dict[str, Any]]:
