@@ -23,7 +23,7 @@ from fpipe._runtime.engine import (
     check_training,
     input_grads,
     nonfinite_error,
-    output_cotangent,
+    output_cotangents,
     returned_loss,
 )
 from fpipe._runtime.log import StepTimes, logger
@@ -239,10 +239,8 @@ class Pipeline:
                 raise RuntimeError("this vjp function was called already: a pipeline step "
                                    "runs its backward once")
             used.append(True)
-            pieces = microbatch.split(self._to(cotangent, self.devices[-1]), self.chunks,
-                                      "cotangent")
-            cotangents = [output_cotangent(out, piece, m)
-                          for m, (out, piece) in enumerate(zip(outputs, pieces))]
+            cotangents = output_cotangents(outputs, self._to(cotangent, self.devices[-1]),
+                                           self.chunks)
             grads = self._grad_trees(self._driver.finish(self.program, step, cotangents).grads)
             return grads, input_grads(inputs, step.ends.grads)
 

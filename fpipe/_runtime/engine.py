@@ -12,10 +12,11 @@ from typing import Any
 import optree
 import torch
 
+from fpipe._runtime import microbatch
 from fpipe.errors import NonFiniteLossError
 
 __all__ = ["check_options", "check_stages", "check_training", "nonfinite_error", "returned_loss",
-           "output_cotangent", "input_grads"]
+           "output_cotangent", "output_cotangents", "input_grads"]
 
 NONFINITE = ("raise", "ignore")
 
@@ -126,6 +127,14 @@ def output_cotangent(out: Any, piece: Any, microbatch: int) -> list:
             given = torch.zeros_like(leaf)
         cotangents.append(given)
     return cotangents
+
+
+def output_cotangents(outputs: list, cotangent: Any, chunks: int) -> list[list]:
+    """Every micro-batch's output cotangents (:func:`output_cotangent`), from the caller's
+    ``cotangent`` for the whole batch (on the last stage's device), split as the input was."""
+    pieces = microbatch.split(cotangent, chunks, "cotangent")
+    return [output_cotangent(out, piece, m) for m, (out, piece) in enumerate(zip(outputs,
+                                                                                pieces))]
 
 
 def input_grads(inputs: list, found: list) -> Any:

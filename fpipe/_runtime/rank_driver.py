@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
 from fpipe._runtime.data_parallel import GradReduce
-from fpipe._runtime.engine import output_cotangent
+from fpipe._runtime.engine import output_cotangents
 from fpipe._runtime.faults import RankFaults, at_rank
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
@@ -160,10 +160,8 @@ class RankDriver:
             if cotangent is None:
                 raise ValueError(f"rank {self.ranks[self.rank]} holds the last stage, so "
                                  f"vjp_fn needs the output's cotangent")
-            pieces = microbatch.split(to(cotangent, self.device), program.n_microbatches,
-                                      "cotangent")
-            step.ends.cotangents = [output_cotangent(out, piece, m) for m, (out, piece)
-                                    in enumerate(zip(step.outputs, pieces))]
+            step.ends.cotangents = output_cotangents(step.outputs, to(cotangent, self.device),
+                                                     program.n_microbatches)
         with self.seeded(step):
             self.run(step, actions, channel, reduce)
         self.finish(step, channel, False)
