@@ -191,7 +191,11 @@ def trained_pipeline(seed: int = 0):
 def assert_same_checkpoint(s, state, optimizer, like, like_state, like_optimizer):
     for name, value in flat(s.params, state).items():
         assert torch.equal(flat(like.params, like_state)[name], value), name
-    saved, loaded = optimizer.state_dict(), like_optimizer.state_dict()
+    assert_same_optimizer(optimizer.state_dict(), like_optimizer.state_dict())
+
+
+def assert_same_optimizer(saved: dict, loaded: dict) -> None:
+    """Two optimisers' ``state_dict()``: the same groups, and every state tensor bitwise."""
     assert saved["param_groups"] == loaded["param_groups"]
     for i, values in saved["state"].items():
         assert all(torch.equal(v, loaded["state"][i][k]) for k, v in values.items())
@@ -301,10 +305,7 @@ def test_a_checkpoint_in_torch_s_nested_optimizer_layout_resumes_a_pipeline(tmp_
     saving.load_module(tmp_path, again, again_optimizer)
     for name, value in saved_model.items():
         assert torch.equal(again.state_dict()[name], value), name
-    loaded = again_optimizer.state_dict()
-    assert loaded["param_groups"] == saved_optimizer["param_groups"]
-    for i, values in saved_optimizer["state"].items():
-        assert all(torch.equal(v, loaded["state"][i][k]) for k, v in values.items())
+    assert_same_optimizer(saved_optimizer, again_optimizer.state_dict())
 
 
 def grouped(parameters, lr=1e-2):
