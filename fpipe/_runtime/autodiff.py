@@ -49,13 +49,24 @@ class StageCall:
         self.accumulates = engine is autograd_vjp
 
     def forward(self, params: list, inputs: tuple[Value, ...], state: Any,
-                mb: MicroBatch) -> tuple[list[Value], Any]:
+                mb: MicroBatch, requiring: list | None = None) -> tuple[list[Value], Any]:
         """The outputs and the new state, with no graph kept: for inference and for forwards
-        that will be recomputed."""
+        that will be recomputed.
+
+        It runs on leaves that require grad where the vjp's would (``requiring``: the
+        parameter leaves so, trainable ones requiring grad; the inputs' differentiable leaves
+        where :attr:`grad_input`), under ``no_grad``: only grad mode differs from the
+        recompute, and ATen chooses kernels by ``requires_grad`` (a batch-first attention's
+        in-projection is one ``mm`` when the weight requires grad, a ``bmm`` over the sequence
+        when not). So a dropped forward computes bit for bit what its recompute computes, and
+        costs what it costs."""
         watch = _Watch(self, params, state, inputs)
+        leaves = params if requiring is None else requiring
+        trees = tuple(_requiring(value) if self.grad_input else value.tree()
+                      for value in inputs)
         with torch.no_grad():
-            outs, new_state = self.core(optree.tree_unflatten(self.param_spec, params), state,
-                                        tuple(value.tree() for value in inputs), mb)
+            outs, new_state = self.core(optree.tree_unflatten(self.param_spec, leaves), state,
+                                        trees, mb)
         watch.check()
         return self._outputs(outs, mb.size), new_state
 
@@ -145,6 +156,17 @@ class StageCall:
             for what, out in zip(self.outputs_named, outs):
                 check_output(out, size, what)
         return outs
+
+
+def _requiring(value: Value) -> Any:
+    """``value``'s tree with its differentiable leaves made to require grad (detached views,
+    sharing data and version counters), as a vjp sees them."""
+    if not value.grad_index:
+        return value.tree()
+    leaves = list(value.leaves)
+    for i in value.grad_index:
+        leaves[i] = leaves[i].detach().requires_grad_()
+    return optree.tree_unflatten(value.spec, leaves)
 
 
 def _whole(params: list, trainable: tuple[int, ...] | None) -> Callable[[list], list]:

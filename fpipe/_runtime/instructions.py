@@ -200,7 +200,9 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
                 accumulate=_accumulate(job, kind, stage), trainable=step.grads.trainable[stage])
             step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, inputs))
         else:
-            outs, step.state[stage] = call.forward(step.params[stage], inputs, state, mb)
+            outs, step.state[stage] = call.forward(
+                step.params[stage], inputs, state, mb,
+                step.grads.requiring(stage, step.params[stage]))
     if dropped:
         step.saved[stage, microbatch] = (inputs, state, drawing.drew)
     if stage == job.last:  # the output, or in a loss step the micro-batch's loss

@@ -54,8 +54,10 @@ class Interpreter:
                     for s, (fn, spec) in enumerate(zip(stages, param_specs))]
 
         # By Ends.calls: forward only; with the loss (the first stage's input gradients not
-        # wanted); without it, every input's gradient wanted (a vjp).
-        self.calls = {"inference": calls(lambda s: False, None),
+        # wanted); without it, every input's gradient wanted (a vjp). A forward-only call's
+        # inputs require grad as a training call's would (only grad mode differs, so ATen picks
+        # the same kernels: see StageCall.forward).
+        self.calls = {"inference": calls(lambda s: s > 0, None),
                       "training": calls(lambda s: s > 0, loss_fn),
                       "vjp": calls(lambda s: True, None)}
         self.transport = transport

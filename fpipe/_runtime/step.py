@@ -173,6 +173,18 @@ class GradSums:
             made = self.made[stage] = [p.detach().requires_grad_() for p in params]
         return made
 
+    def requiring(self, stage: int, params: list) -> list:
+        """Every parameter leaf of ``stage`` as the step's vjps see it: the trainable ones the
+        step's own leaves (:meth:`leaves`, requiring grad), the frozen ones as they are. What
+        a forward without a graph runs on (see ``StageCall.forward``)."""
+        made, index = self.leaves(stage, params), self.trainable[stage]
+        if index is None:
+            return made
+        full = list(params)
+        for i, leaf in zip(index, made):
+            full[i] = leaf
+        return full
+
     def add(self, stage: int, grads: list, dtype: torch.dtype | None = None) -> None:
         """Add one micro-batch's gradients. Called inside the device's compute scope: the sums
         read the vjp's outputs there. With ``dtype`` (float32 for bfloat16 parameters), each
