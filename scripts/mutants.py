@@ -168,6 +168,14 @@ MUTANTS = (
     Mutant("a torchgpipe-style skip across stages kept inside its stage", "stages/module_skip.py",
            "                if i != j:  # popped where it was not stashed: fpipe carries it",
            "                if False:", ("tests/test_module_skips.py",)),
+    # -- memory (issue 23) ----------------------------------------------------------------------
+    Mutant("except_last keeps the last micro-batch through every recompute", "schedules/remat.py",
+           "return kept.get(stage) != mb", "return mb != program.n_microbatches - 1",
+           ("tests/test_step_memory.py",)),
+    Mutant("fpipe.GPipe's backwards in micro-batch order, not torchgpipe's", "_gpipe/run.py",
+           "backwards = forwards[::-1]",
+           "backwards = sorted(pairs, key=lambda p: (p[1] + k - 1 - p[0], -p[0]))",
+           ("tests/test_module.py::test_checkpointing_and_recomputing_flags",)),
     # -- the distributed channel ---------------------------------------------------------------
     Mutant("a value whose shapes changed sent as if they had not", "_runtime/p2p.py",
            "blob = b\"\" if known is not None and _same(known.meta, meta) else",
