@@ -1,6 +1,7 @@
 """The GPU checklist: the numerical checks again with stages on CUDA (skipped without a GPU).
 
-Several stages share ``cuda:0`` on different workers, so values go through the transport and
+Several stages share ``cuda:0`` on different workers (given as programs: a schedule value puts
+the stages of one GPU on one worker), so values go through the transport and
 the compute streams, copy streams and events between them are exercised; a mixed CPU/CUDA
 pipeline makes values cross devices. Races are made likely rather than hoped for: stages sleep
 on the GPU (``torch.cuda._sleep``) before their outputs and their input gradients are written,
@@ -164,7 +165,9 @@ def test_a_cuda_stage_drawing_from_the_cpu_generator_is_reproduced():
 @pytest.mark.parametrize("schedule", SLEEPY_SCHEDULES, ids=["gpipe", "1f1b", "zero-bubble"])
 def test_sleepy_stages_match_the_reference(dtype, devices, schedule):
     params = to(mlp_params(3, dtype=dtype), devices)
-    with fpipe.pipeline([sleepy] * 3, params, schedule=schedule, loss_fn=mse,
+    # The program itself, so that each stage has a worker of its own: stages sharing a GPU
+    # share a worker when the pipeline is given a schedule value.
+    with fpipe.pipeline([sleepy] * 3, params, schedule=schedule.program(3), loss_fn=mse,
                         grad_dtype=torch.float32) as pipe:
         for step in range(3):  # new inputs every step: stale memory is never the answer
             g = torch.Generator().manual_seed(step)
