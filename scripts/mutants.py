@@ -176,6 +176,12 @@ MUTANTS = (
            "backwards = forwards[::-1]",
            "backwards = sorted(pairs, key=lambda p: (p[1] + k - 1 - p[0], -p[0]))",
            ("tests/test_module.py::test_checkpointing_and_recomputing_flags",)),
+    Mutant("a module stage's structure not read again after it changed", "stages/swap.py",
+           "return self._links is not None and all(", "return self._links is not None or all(",
+           ("tests/test_swap.py",)),
+    Mutant("a module stage's own tensors not put back after its call", "stages/swap.py",
+           "                table[key] = original", "                pass",
+           ("tests/test_swap.py",)),
     # -- the distributed channel ---------------------------------------------------------------
     Mutant("a value whose shapes changed sent as if they had not", "_runtime/p2p.py",
            "blob = b\"\" if known is not None and _same(known.meta, meta) else",
