@@ -95,11 +95,12 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
     them), and workers wait for each other at every value they hand on. Stages that share a
     CUDA device share a worker (one thread launches a GPU's kernels, as in torchgpipe: more
     would add no parallelism, only memory held at once) unless ``schedule`` is a ``Program``,
-    which runs on the workers it names; ``pipe.program`` is the program that runs. A program with more
-    workers than the process has CPU cores makes them take turns, which costs a thread wake-up
-    per hand-off; building such a pipeline warns (:class:`fpipe.OversubscriptionWarning`).
-    ``fpipe.schedules.colocate(program, workers)`` runs several stages on one worker, and each
-    worker's ops use torch's intra-op threads too (``torch.set_num_threads``).
+    which runs on the workers it names; ``pipe.program`` is the program that runs. A program
+    with more workers than the process has CPU cores makes them take turns, which costs a
+    thread wake-up per hand-off; building such a pipeline warns
+    (:class:`fpipe.OversubscriptionWarning`). ``fpipe.schedules.colocate(program, workers)``
+    runs several stages on one worker, and each worker's ops use torch's intra-op threads too
+    (``torch.set_num_threads``).
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
                     state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff,

@@ -26,7 +26,8 @@ from fpipe.stages import from_sequential
 
 torchgpipe = pytest.importorskip("torchgpipe")
 _STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
-pytestmark = pytest.mark.skipif(not _CLEAR.exists(), reason="needs Linux's /proc peak counters")
+pytestmark = [pytest.mark.needs_extra,  # torchgpipe: the [compat] extra
+              pytest.mark.skipif(not _CLEAR.exists(), reason="needs Linux's /proc peak counters")]
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 BALANCE, CHUNKS, WIDTH = [2, 2, 2, 2], 4, 128
