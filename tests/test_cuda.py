@@ -275,7 +275,8 @@ def test_the_callers_autocast_reaches_the_stages():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         expected_loss, expected = whole_batch([matmul_block] * 3, params, x, target, mse)
     SEEN.clear()
-    with fpipe.pipeline([matmul_block] * 3, params, schedule=gpipe(chunks=4),
+    # the program itself, so that the stages run on worker threads of their own
+    with fpipe.pipeline([matmul_block] * 3, params, schedule=gpipe(chunks=4).program(3),
                         loss_fn=mse) as pipe, torch.autocast("cuda", dtype=torch.bfloat16):
         loss, grads = pipe.value_and_grad(x, target)
     assert SEEN == {torch.bfloat16}, "the stages did not run under the caller's autocast"
@@ -292,7 +293,9 @@ def test_recorded_spans_on_one_gpu_follow_the_program_and_do_not_overlap():
     recorder = fpipe.Recorder()
     params = to(mlp_params(3, dtype=torch.float32), ["cuda:0"] * 3)
     x = torch.randn(8, 8, device="cuda:0")
-    with fpipe.pipeline([sleepy] * 3, params, schedule=schedule, loss_fn=mse) as pipe:
+    # the program itself, so that each stage has a worker of its own (a schedule value would
+    # put the three stages of cuda:0 on one)
+    with fpipe.pipeline([sleepy] * 3, params, schedule=program, loss_fn=mse) as pipe:
         pipe.value_and_grad(x, x, record=recorder)
     check(recorder.timeline, program, {a for actions in program.workers for a in actions})
     spans = sorted((s for spans in recorder.timeline for s in spans), key=lambda s: s.start)
