@@ -288,7 +288,11 @@ def main() -> None:
     report(f"fpipe against torchgpipe on {device}, every partition on it "
            f"({torch.get_num_threads()} intra-op threads)",
            ["model", "row", "remat", "chunks", "ms", "min ms", "max ms", "peak MB", "x tg time",
-            "x tg peak", "x limit"], rows, args.json)
+            "x tg peak", "x limit"], rows, args.json, notes=[
+               f"{repeat} interleaved rounds; ms: median, with min and max",
+               "peak MB: allocated above the memory before the step, gradients cleared first",
+               "x tg: over torchgpipe's row of the same remat (time, peak); "
+               "x limit: speed over the policy's bound"])
 
 
 if __name__ == "__main__":
