@@ -16,7 +16,7 @@ import torch
 
 from fpipe._runtime import microbatch
 from fpipe._runtime.autodiff import flatten
-from fpipe._runtime.driver import LocalDriver
+from fpipe._runtime.driver import LocalDriver, one_worker_per_gpu
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
@@ -33,7 +33,7 @@ from fpipe._runtime.ties import TieSums
 from fpipe._runtime.values import param_leaves
 from fpipe._runtime.trees import tree_map
 from fpipe.errors import BatchError
-from fpipe.schedules.actions import program_of
+from fpipe.schedules.actions import Program, program_of
 from fpipe.timeline import Recorder
 
 __all__ = ["pipeline", "Pipeline"]
@@ -98,11 +98,15 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             the copies equal. Also for :meth:`Pipeline.vjp`'s gradients.
 
     Threads: each worker of the schedule's program is a thread (the caller's thread is one of
-    them), and workers wait for each other at every value they hand on. A program with more
-    workers than the process has CPU cores makes them take turns, which costs a thread wake-up
-    per hand-off; building such a pipeline warns (:class:`fpipe.OversubscriptionWarning`).
-    ``fpipe.schedules.colocate(program, workers)`` runs several stages on one worker, and each
-    worker's ops use torch's intra-op threads too (``torch.set_num_threads``).
+    them), and workers wait for each other at every value they hand on. Stages that share a
+    CUDA device share a worker (one thread launches a GPU's kernels, as in torchgpipe: more
+    would add no parallelism, only memory held at once) unless ``schedule`` is a ``Program``,
+    which runs on the workers it names; ``pipe.program`` is the program that runs. A program
+    with more workers than the process has CPU cores makes them take turns, which costs a
+    thread wake-up per hand-off; building such a pipeline warns
+    (:class:`fpipe.OversubscriptionWarning`). ``fpipe.schedules.colocate(program, workers)``
+    runs several stages on one worker, and each worker's ops use torch's intra-op threads too
+    (``torch.set_num_threads``).
     """
     return Pipeline(stages, params, schedule=schedule, loss_fn=loss_fn, devices=devices,
                     state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff,
@@ -162,7 +166,10 @@ class Pipeline:
             check_state(dict(enumerate(state)), self.devices)
             self.state = list(state)
 
-        self.program = program = program_of(schedule, len(stages))
+        program = program_of(schedule, len(stages))
+        if not isinstance(schedule, Program):  # a program given as such runs as it is
+            program = one_worker_per_gpu(program, self.devices)
+        self.program = program
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
                                    program.n_workers, loss_fn, stateful=self.stateful,

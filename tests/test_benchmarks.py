@@ -18,7 +18,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 @pytest.mark.parametrize("script", [
     "dispatch_overhead.py", "simulated_vs_measured.py", "memory.py", "split_backward.py",
-    "resnet101.py", "search.py",
+    "resnet101.py", "search.py", "gpu.py",
     # [bench]: without numpy, torch.distributed.pipelining's rows are marked not run.
     pytest.param("cpu_scaling.py", marks=pytest.mark.needs_extra)])
 def test_quick_mode_writes_json(script, tmp_path):
@@ -35,6 +35,13 @@ def test_quick_mode_writes_json(script, tmp_path):
         ran = "ok" if importlib.util.find_spec("numpy") else "not run"
         assert {row["check"] for row in result["rows"]
                 if row["driver"] == "torch pipelining"} == {ran}
+    if script == "gpu.py":  # every model has the rows (and torchgpipe's, if installed)
+        rows = {(row["model"], row["row"]) for row in result["rows"]}
+        faces = {"plain whole batch", "plain micro-batch loop", "fpipe.GPipe"}
+        pipelines = {"fpipe.pipeline 1F1B"} | {f"fpipe.pipeline gpipe {p}"
+                                               for p in ("always", "except_last", "never")}
+        assert {(m, r) for m in ("transformer", "resnet", "mlp") for r in faces} <= rows
+        assert {(m, r) for m in ("transformer", "mlp") for r in pipelines} <= rows
     if script == "memory.py":  # the second table: the largest model in a budget
         (budget,) = result["tables"].values()
         assert budget and all(row["layers"] > 0 for row in budget)

@@ -1,6 +1,7 @@
 """The GPU checklist: the numerical checks again with stages on CUDA (skipped without a GPU).
 
-Several stages share ``cuda:0`` on different workers, so values go through the transport and
+Several stages share ``cuda:0`` on different workers (given as programs: a schedule value puts
+the stages of one GPU on one worker), so values go through the transport and
 the compute streams, copy streams and events between them are exercised; a mixed CPU/CUDA
 pipeline makes values cross devices. Races are made likely rather than hoped for: stages sleep
 on the GPU (``torch.cuda._sleep``) before their outputs and their input gradients are written,
@@ -164,7 +165,9 @@ def test_a_cuda_stage_drawing_from_the_cpu_generator_is_reproduced():
 @pytest.mark.parametrize("schedule", SLEEPY_SCHEDULES, ids=["gpipe", "1f1b", "zero-bubble"])
 def test_sleepy_stages_match_the_reference(dtype, devices, schedule):
     params = to(mlp_params(3, dtype=dtype), devices)
-    with fpipe.pipeline([sleepy] * 3, params, schedule=schedule, loss_fn=mse,
+    # The program itself, so that each stage has a worker of its own: stages sharing a GPU
+    # share a worker when the pipeline is given a schedule value.
+    with fpipe.pipeline([sleepy] * 3, params, schedule=schedule.program(3), loss_fn=mse,
                         grad_dtype=torch.float32) as pipe:
         for step in range(3):  # new inputs every step: stale memory is never the answer
             g = torch.Generator().manual_seed(step)
@@ -272,7 +275,8 @@ def test_the_callers_autocast_reaches_the_stages():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         expected_loss, expected = whole_batch([matmul_block] * 3, params, x, target, mse)
     SEEN.clear()
-    with fpipe.pipeline([matmul_block] * 3, params, schedule=gpipe(chunks=4),
+    # the program itself, so that the stages run on worker threads of their own
+    with fpipe.pipeline([matmul_block] * 3, params, schedule=gpipe(chunks=4).program(3),
                         loss_fn=mse) as pipe, torch.autocast("cuda", dtype=torch.bfloat16):
         loss, grads = pipe.value_and_grad(x, target)
     assert SEEN == {torch.bfloat16}, "the stages did not run under the caller's autocast"
@@ -289,7 +293,9 @@ def test_recorded_spans_on_one_gpu_follow_the_program_and_do_not_overlap():
     recorder = fpipe.Recorder()
     params = to(mlp_params(3, dtype=torch.float32), ["cuda:0"] * 3)
     x = torch.randn(8, 8, device="cuda:0")
-    with fpipe.pipeline([sleepy] * 3, params, schedule=schedule, loss_fn=mse) as pipe:
+    # the program itself, so that each stage has a worker of its own (a schedule value would
+    # put the three stages of cuda:0 on one)
+    with fpipe.pipeline([sleepy] * 3, params, schedule=program, loss_fn=mse) as pipe:
         pipe.value_and_grad(x, x, record=recorder)
     check(recorder.timeline, program, {a for actions in program.workers for a in actions})
     spans = sorted((s for spans in recorder.timeline for s in spans), key=lambda s: s.start)

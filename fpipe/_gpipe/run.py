@@ -58,13 +58,15 @@ def remat_of(checkpoint: str, chunks: int, microbatches: int) -> str:
 
 def clock_program(n_microbatches: int, devices: Sequence[torch.device], remat: str) -> Program:
     """GPipe over one worker per distinct device, forwards in torchgpipe's clock order and
-    backwards in the mirror order (each stage's in micro-batch order), then ``remat``."""
+    backwards in its reverse (each stage's last micro-batch first, as torchgpipe's autograd
+    graph runs them, so ``remat``'s ``"except_last"`` keeps the last micro-batch, the one
+    torchgpipe does not checkpoint, and frees it before any recompute), then ``remat``."""
     worker_of: dict[torch.device, int] = {}
     workers = [worker_of.setdefault(d, len(worker_of)) for d in devices]
     k, m = len(devices), n_microbatches
     pairs = [(s, i) for i in range(m) for s in range(k)]
     forwards = sorted(pairs, key=lambda p: (p[0] + p[1], p[0]))
-    backwards = sorted(pairs, key=lambda p: (p[1] + k - 1 - p[0], -p[0]))
+    backwards = forwards[::-1]
     lists: list[list[Action]] = [[] for _ in worker_of]
     for op, order in ((F, forwards), (B, backwards)):
         for s, i in order:

@@ -31,9 +31,10 @@ from fpipe._runtime.thread_state import ThreadState
 from fpipe._runtime.workers import Inbox, WorkerPool, warn_if_oversubscribed
 from fpipe.errors import StageError
 from fpipe.schedules.actions import Program
+from fpipe.schedules.colocate import colocate
 from fpipe.timeline import Recorder
 
-__all__ = ["LocalDriver"]
+__all__ = ["LocalDriver", "one_worker_per_gpu"]
 
 
 class _LocalChannel:
@@ -221,6 +222,41 @@ class LocalDriver:
                 yield
             finally:
                 self._holder = None
+
+
+def one_worker_per_gpu(program: Program, devices: Sequence[torch.device]) -> Program:
+    """``program`` with the workers whose stages share a CUDA device merged into one (by
+    :func:`~fpipe.schedules.colocate`), as torchgpipe and ``fpipe.GPipe`` run one thread per
+    device; workers of CPU stages are left as they are.
+
+    Why by device type: a CUDA worker only launches kernels, which its device runs one after
+    the other on its compute stream whatever thread launched them, so more workers on one GPU
+    add no parallelism; they let the host run ahead on several stages at once, each holding
+    the memory of the graph it builds (on an H100, 3.26 GB against 2.00 GB for one worker per
+    device on a 12-layer transformer) and contending for the GIL (102.3 ms against 85.7 ms for
+    16 small layers; ``docs/benchmarks.md``). On the CPU the workers are what computes in
+    parallel (``benchmarks/cpu_scaling.py``), and a step's peak stays within torchgpipe's
+    (``tests/test_step_memory.py``), so each keeps its thread.
+    """
+    root = list(range(program.n_workers))  # each worker's group, by its least member
+
+    def find(w: int) -> int:
+        while root[w] != w:
+            w = root[w]
+        return w
+
+    first_on: dict[torch.device, int] = {}
+    for stage, device in enumerate(devices):
+        if device.type == "cuda":
+            a = find(program.placement[stage])
+            b = find(first_on.setdefault(device, a))
+            root[max(a, b)] = min(a, b)
+    groups = [find(w) for w in range(program.n_workers)]
+    if len(set(groups)) == program.n_workers:
+        return program
+    number: dict[int, int] = {}
+    return colocate(program, [number.setdefault(groups[w], len(number))
+                              for w in program.placement])
 
 
 def _everything(actions: tuple) -> tuple:

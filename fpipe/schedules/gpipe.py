@@ -2,7 +2,8 @@
 
 The simplest schedule and the reference for the others: its bubble is (K-1)/(M+K-1) for K
 stages and M micro-batches, and each stage keeps all M micro-batches alive at the turn, which is
-why it recomputes by default (torchgpipe's ``checkpoint="except_last"``).
+why it recomputes by default (torchgpipe's ``checkpoint="except_last"``: here every micro-batch
+but the first, whose backward runs first, so its activations are freed before any recompute).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class GPipeSchedule:
 
         Backwards in micro-batch order, as in every shipped schedule, sum each stage's
         gradients in the same order, so schedules doing the same arithmetic per micro-batch
-        give bitwise identical gradients."""
+        give bitwise identical gradients. (torchgpipe runs them last-first, which sums in
+        another order; remat's ``"except_last"`` keeps whichever micro-batch is
+        backpropagated first, so both free the kept one before any recompute.)"""
         stage_count(n_stages)
         mbs = range(self.chunks)
         workers = [

@@ -21,10 +21,10 @@ POLICIES = ("always", "except_last", "never")
 def normalize_remat(policy: object) -> RematPolicy:
     """The hashable canonical form of a policy, or a ValueError saying what is accepted.
 
-    ``"always"`` recomputes every (stage, micro-batch); ``"except_last"`` every one except the
-    last micro-batch (the meaning torchgpipe gives it: the last forward is the one closest to
-    the backwards, so keeping its activations costs the least time alive); ``"never"`` none;
-    an iterable of stage indices recomputes those stages on every micro-batch.
+    ``"always"`` recomputes every (stage, micro-batch); ``"except_last"`` every one except,
+    per stage, the micro-batch whose backward runs first (see :func:`apply_remat`);
+    ``"never"`` none; an iterable of stage indices recomputes those stages on every
+    micro-batch.
     """
     accepted = f"one of {', '.join(map(repr, POLICIES))}, or a set of stage indices"
     if isinstance(policy, str):
@@ -67,6 +67,13 @@ def apply_remat(program: object, policy: object) -> Program | Rematerialized:
     """``program`` with ``R(s, m)`` inserted right before the first backward (B or I) of each
     (stage, micro-batch) the policy selects, on that stage's worker.
 
+    ``"except_last"`` keeps, per stage, the micro-batch whose backward comes first on its
+    worker: torchgpipe's last micro-batch, since its backwards run last-first (the last forward
+    is closest to the backwards), and micro-batch 0 in fpipe's schedules, whose backwards run
+    in micro-batch order so that every schedule sums gradients in one order. Keeping the one
+    backpropagated first frees its activations before any recompute builds another's: the
+    peak holds one micro-batch's activations, not two.
+
     Pairs that already recompute keep their ``R`` and get no second one, so applying a policy
     twice changes nothing; pairs without a backward (inference) are left alone. Any schedule
     form works: given a schedule value or a function ``n_stages -> Program`` rather than a
@@ -85,13 +92,13 @@ def apply_remat(program: object, policy: object) -> Program | Rematerialized:
             raise ValueError(
                 f"remat stages {beyond} do not exist: the program has {program.n_stages} stages"
             )
-    last = program.n_microbatches - 1
+    kept = first_backwards(program)
 
     def selected(stage: int, mb: int) -> bool:
         if policy == "always":
             return True
         if policy == "except_last":
-            return mb != last
+            return kept.get(stage) != mb
         if policy == "never":
             return False
         return stage in policy
@@ -109,6 +116,16 @@ def apply_remat(program: object, policy: object) -> Program | Rematerialized:
             out.append(action)
         workers.append(out)
     return Program(workers, program.n_stages, program.n_microbatches)
+
+
+def first_backwards(program: Program) -> dict[int, int]:
+    """Per stage, the micro-batch of its first backward (B or I) in its worker's order."""
+    first: dict[int, int] = {}
+    for actions in program.workers:
+        for action in actions:
+            if action.op in (B, I):
+                first.setdefault(action.stage, action.microbatch)
+    return first
 
 
 def recomputed(program: Program) -> frozenset[tuple[int, int]]:

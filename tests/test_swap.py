@@ -1,0 +1,74 @@
+"""A module stage's call on given tensors (``fpipe.stages.swap``) does what
+``torch.func.functional_call`` does, bit for bit, whatever became of the module since the last
+call, and leaves the module as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fpipe.stages.swap import Swap
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(),
+                         nn.Sequential(nn.Linear(8, 3, bias=False)))
+
+
+def others(module: nn.Module) -> dict[str, torch.Tensor]:
+    """New values for every parameter and buffer, requiring grad like the module's."""
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    return {name: (t + 1).detach().requires_grad_(t.requires_grad) if t.is_floating_point()
+            else t + 1 for name, t in tensors.items()}
+
+
+def own(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def test_the_same_as_functional_call_and_the_module_left_alone():
+    module, x = model(), torch.randn(5, 4)
+    tensors, before = others(module), own(module)
+    swap = Swap(module)
+    for _ in range(2):  # the first call reads the structure, the second uses what it read
+        y = swap(tensors, (x,))
+        assert torch.equal(y, functional_call(module, tensors, (x,), strict=True))
+        assert all(a is b for a, b in zip(own(module), before))
+    # the gradient reaches the given tensors, not the module's
+    swap(tensors, (x,)).sum().backward()
+    assert tensors["0.weight"].grad is not None and module[0].weight.grad is None
+
+
+def test_a_failing_call_puts_the_modules_tensors_back():
+    module = model()
+    before = own(module)
+    with pytest.raises(RuntimeError):
+        Swap(module)(others(module), (torch.randn(5, 7),))  # 7 features, not 4
+    assert all(a is b for a, b in zip(own(module), before))
+
+
+def test_a_module_changed_since_the_last_call_is_read_again():
+    module, x = model(), torch.randn(5, 4)
+    swap = Swap(module)
+    swap(others(module), (x,))
+    module[3][0] = nn.Linear(8, 3, bias=False)  # a new submodule under the same name
+    tensors = others(module)
+    assert torch.equal(swap(tensors, (x,)), functional_call(module, tensors, (x,)))
+    module[0].register_buffer("scale", torch.ones(8))  # a new name: not given, so an error
+    with pytest.raises(RuntimeError, match="Missing key"):
+        swap(tensors, (x,))
+
+
+def test_what_only_functional_call_does_goes_through_it():
+    module, x = model(), torch.randn(5, 4)
+    tensors = others(module)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        Swap(module)({**tensors, "extra": torch.ones(1)}, (x,))
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight  # one tensor under two names: given once
+    tensors = {"0.weight": torch.randn(4, 4), "0.bias": torch.randn(4),
+               "1.bias": torch.randn(4)}
+    assert torch.equal(Swap(tied)(tensors, (x,)), functional_call(tied, tensors, (x,)))
