@@ -1,6 +1,6 @@
 """Train a Hugging Face ``transformers`` GPT-2, cut into pipeline stages, on the CPU.
 
-    pip install 'fpipe[hf]'   # transformers and safetensors
+    pip install -e '.[hf]'   # in fpipe's clone: transformers and safetensors
     python examples/hf_gpt2.py [--steps 30] [--chunks 4]
 
 The model is ``GPT2LMHeadModel`` built from a tiny config with random weights (nothing is
