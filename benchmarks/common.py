@@ -130,16 +130,18 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
     stop = deadline
     # Read while the ranks run (a result larger than a pipe's buffer would block its sender).
     while pending and time.monotonic() < stop:
+        # Who had exited before this read: a rank sends its result before it exits, so one that
+        # had exited and is still unheard once the queue is drained sent nothing (one that
+        # exits during the read may have sent its result just after the read gave up).
+        exited = [r for r in sorted(pending) if ranks[r].exitcode is not None]
         try:
             rank, result = results_queue.get(timeout=0.2)
         except queue.Empty:
-            # The queue is drained: a rank that has exited unheard sent nothing before it died.
-            for r in sorted(pending):
-                if ranks[r].exitcode is not None:
-                    results[r] = {"error": f"rank {r} exited with code {ranks[r].exitcode} "
-                                           f"without a result"}
-                    pending.discard(r)
-                    died.append(r)
+            for r in exited:
+                results[r] = {"error": f"rank {r} exited with code {ranks[r].exitcode} "
+                                       f"without a result"}
+                pending.discard(r)
+                died.append(r)
         else:
             results[rank] = result
             pending.discard(rank)
@@ -155,6 +157,13 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
         if process.is_alive():
             process.kill()
             process.join()
+    if strict and not failed:  # all answered: one that then ended badly (an abort at exit) failed
+        for r, process in enumerate(ranks):
+            if process.exitcode not in (0, None) and r not in pending:
+                results[r] = {"error": f"rank {r} sent its result, then exited with code "
+                                       f"{process.exitcode}"}
+                died.append(r)
+        failed = died
     if strict and failed:
         first, *others = failed
         also = "".join(f"\nthen rank {r}: {results[r]['error'].strip().splitlines()[-1]}"
@@ -186,6 +195,22 @@ def _rank_main(target: Callable, rank: int, world: int, port: int, results_queue
         result = {"error": traceback.format_exc()}
     results_queue.put((rank, result))
     dist.destroy_process_group()
+    _exit_at_once(results_queue)
+
+
+def _exit_at_once(results_queue) -> None:
+    """End a rank without the interpreter's teardown, once its result is sent.
+
+    gloo's worker threads release a finished collective's tensors after the caller's ``wait()``
+    returns, and that release needs the GIL: one still pending when the teardown begins aborts
+    the process ("terminate called without an active exception"; pytorch#179291). fpipe's exit
+    hook (``fpipe/_runtime/teardown.py``) gives them a moment, which a loaded machine can
+    outlast; a rank whose work is done has nothing to tear down, so it skips the teardown."""
+    results_queue.close()
+    results_queue.join_thread()  # the result is in the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_jobs(rank: int, world: int, jobs: list, timeout: float = 60.0,

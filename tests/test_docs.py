@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import patience
 import pytest
 import torch
 
@@ -123,7 +124,7 @@ def run_commands(block: Block, cwd: Path) -> None:
                  for line in hosts]
         try:
             for line, proc in zip(hosts, procs):
-                out, _ = proc.communicate(timeout=300)
+                out, _ = proc.communicate(timeout=patience.limit(300))
                 assert proc.returncode == 0, f"{where}: {line}\n{out[-3000:]}"
         finally:
             for proc in procs:  # a host left waiting for one that failed
@@ -132,8 +133,8 @@ def run_commands(block: Block, cwd: Path) -> None:
                     proc.communicate()
         return
     for line in lines:
-        run = subprocess.run(line, shell=True, cwd=cwd, env=env, executable="/bin/bash",
-                             capture_output=True, text=True, timeout=300)
+        run = patience.run(line, 300, shell=True, cwd=cwd, env=env, executable="/bin/bash",
+                           capture_output=True, text=True)
         assert run.returncode == 0, f"{where}: {line}\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
 
 
