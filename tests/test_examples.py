@@ -105,6 +105,8 @@ def test_example_learns_as_plain_autograd_would(script, steps, reference):
                        300, check=True, capture_output=True, text=True)
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", run.stdout).groups())
     assert last < 0.8 * first
+    # At most a worker per core (examples/workers.py): no warning on a 2-core machine either.
+    assert "OversubscriptionWarning" not in run.stderr, run.stderr[-2000:]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # these small convolutions run far slower on two busy cores
     try:
@@ -166,3 +168,26 @@ def test_scale_out_example_trains_on_a_mesh_and_another_shape_resumes_it(tmp_pat
     resumed, end = run(2, "--dp", "1", "--resume", "ckpt")
     assert resumed == pytest.approx(saved, abs=2e-6)
     assert end < resumed
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 8])
+def test_the_examples_run_a_worker_per_core_at_most_on_the_same_stages(cores, monkeypatch):
+    """examples/workers.py: on fewer cores than stages, neighbouring stages share a worker,
+    each stage's actions in its own order; with enough cores the schedule is left as it is."""
+    from fpipe.schedules import one_f_one_b, validate
+
+    workers = load_example("workers")
+    monkeypatch.setattr(workers, "cores", lambda: cores)
+    schedule = one_f_one_b(chunks=4)
+    fitted = workers.fit(schedule, 4)
+    if cores >= 4:
+        assert fitted is schedule
+        return
+    program = validate(fitted)
+    assert program.n_workers == cores
+    assert list(program.placement) == sorted(program.placement)  # runs of neighbours
+    alone = schedule.program(4)
+    for stage in range(4):
+        def mine(p, s=stage):
+            return [(str(a.op), a.microbatch) for w in p.workers for a in w if a.stage == s]
+        assert sorted(mine(program)) == sorted(mine(alone))
