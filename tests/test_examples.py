@@ -191,3 +191,16 @@ def test_the_examples_run_a_worker_per_core_at_most_on_the_same_stages(cores, mo
         def mine(p, s=stage):
             return [(str(a.op), a.microbatch) for w in p.workers for a in w if a.stage == s]
         assert sorted(mine(program)) == sorted(mine(alone))
+
+
+def test_scale_out_says_what_to_install_before_training_not_after(monkeypatch):
+    """Its instructions install what ``--save`` needs (numpy, the [saving] extra); without
+    numpy, ``--save`` stops before the first step with what to install."""
+    example = load_example("scale_out")
+    assert "pip install -e '.[examples,saving]'" in example.__doc__
+    monkeypatch.setattr(example.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "numpy" else object())
+    args = example.argparse.Namespace(save="ckpt", resume=None)
+    with pytest.raises(SystemExit, match=r"--save and --resume need numpy.*\[saving\]"):
+        example.check_checkpoints(args)
+    example.check_checkpoints(example.argparse.Namespace(save=None, resume=None))
