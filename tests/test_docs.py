@@ -241,3 +241,20 @@ def test_the_api_reference_covers_every_public_name(module):
         if not ok:
             missing.append(name)
     assert not missing, f"{module}: no entry in docs/reference/ for {missing}"
+
+
+@pytest.mark.needs_extra  # griffe comes with the [docs] extra (mkdocstrings)
+def test_the_reference_links_the_objects_docstrings_cite(monkeypatch):
+    """A Sphinx role in a docstring becomes an optional cross-reference to where the object is
+    defined (scripts/mkdocs_sphinx_roles.py): a re-export is followed, a function is not
+    mistaken for the module of its name, and what cannot be found stays inline code."""
+    griffe = pytest.importorskip("griffe")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from mkdocs_sphinx_roles import SphinxRoles
+
+    package = griffe.load("fpipe", search_paths=[str(ROOT)],
+                          extensions=griffe.Extensions(SphinxRoles()))
+    text = package["distributed.pipeline"].docstring.value
+    assert ('<autoref identifier="fpipe.pipeline.pipeline" optional><code>fpipe.pipeline</code>'
+            '</autoref>') in text
+    assert ":func:" not in text
