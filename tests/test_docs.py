@@ -23,6 +23,7 @@ here instead.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -258,3 +259,29 @@ def test_the_reference_links_the_objects_docstrings_cite(monkeypatch):
     assert ('<autoref identifier="fpipe.pipeline.pipeline" optional><code>fpipe.pipeline</code>'
             '</autoref>') in text
     assert ":func:" not in text
+
+
+def test_the_reference_documents_calling_a_pipeline():
+    """``pipe(x)`` is ``Pipeline.__call__``: mkdocs.yml's member filters (the last matching
+    pattern decides, as mkdocstrings reads them) keep it while dropping private names."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    filters = json.loads(re.search(r"filters: (\[.*?\])", config).group(1))
+
+    def kept(name: str) -> bool:
+        keep = None
+        for pattern in filters:
+            if re.search(pattern.removeprefix("!"), name):
+                keep = not pattern.startswith("!")
+        return True if keep is None else keep
+
+    assert kept("__call__") and kept("value_and_grad")
+    assert not kept("_step_inputs") and not kept("__init__")
+    assert fpipe.Pipeline.__call__.__doc__
+
+
+def test_what_the_documented_commands_write_is_ignored_by_git():
+    """The docs' checkpoint directory and mkdocs' output are not left untracked in a clone."""
+    ignored = set((ROOT / ".gitignore").read_text().split())
+    pages = "\n".join((ROOT / page).read_text() for page in PAGES)
+    assert 'saving.save("ckpt"' in pages and "mkdocs build" in pages
+    assert {"ckpt/", "site/"} <= ignored
