@@ -103,7 +103,7 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
 
     Returns each rank's result in rank order: what ``target`` returned, ``{"error": text}`` if
     it raised or the rank exited without a result, or None for a rank that outlived
-    ``timeout`` or was stopped because another failed. ``target`` must be importable by the
+    ``timeout`` (seconds of a :class:`LoadClock`) or was stopped because another failed. ``target`` must be importable by the
     children (a module-level function or a partial of one; ``spawn`` start method).
 
     Fail fast: once one rank fails (raises or exits), the others get two seconds to report
@@ -126,10 +126,11 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
         process.start()
     results: list = [None] * world
     pending, died, raised = set(range(world)), [], []
-    deadline = time.monotonic() + timeout
+    clock = LoadClock()  # a busy machine (the test suite beside other jobs) slows healthy ranks
+    deadline = timeout
     stop = deadline
     # Read while the ranks run (a result larger than a pipe's buffer would block its sender).
-    while pending and time.monotonic() < stop:
+    while pending and clock.now() < stop:
         # Who had exited before this read: a rank sends its result before it exits, so one that
         # had exited and is still unheard once the queue is drained sent nothing (one that
         # exits during the read may have sent its result just after the read gave up).
@@ -148,12 +149,12 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
             if isinstance(result, dict) and "error" in result:
                 raised.append(rank)
         if (died or raised) and stop == deadline:  # hear the others briefly, then stop them
-            stop = min(deadline, time.monotonic() + 2.0)
+            stop = min(deadline, clock.now() + 2.0)
     # A rank that died is the likely cause of its peers' errors (a connection closed by it).
     failed = died + raised
     for process in ranks:
         if not failed:
-            process.join(max(deadline - time.monotonic(), 1.0))
+            process.join(max(deadline - clock.now(), 1.0))
         if process.is_alive():
             process.kill()
             process.join()
@@ -174,6 +175,26 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
         raise RankFailed(f"ranks {sorted(pending)} of {world} did not finish within "
                          f"{timeout:g} s")
     return results
+
+
+class LoadClock:
+    """Seconds of a fair share of the machine, for the timeouts of spawned ranks: each
+    wall-clock second counts ``1 / load``, the 1-minute load average per core (at least 1). A
+    fixed wall-clock limit kills healthy ranks on a loaded machine; a hang, which loads
+    nothing, is still found after about the stated time."""
+
+    def __init__(self) -> None:
+        self.elapsed, self.last = 0.0, time.monotonic()
+
+    def now(self) -> float:
+        wall = time.monotonic()
+        try:
+            load = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+        except OSError:  # no load average on this platform: wall-clock time
+            load = 1.0
+        self.elapsed += (wall - self.last) / load
+        self.last = wall
+        return self.elapsed
 
 
 class RankFailed(RuntimeError):

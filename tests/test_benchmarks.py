@@ -83,3 +83,16 @@ def test_a_rank_that_sent_its_result_ends_without_the_teardown(monkeypatch):
 
     assert spawn_ranks(_abort_in_teardown, 2, timeout=300, strict=True) == [
         {"rank": 0}, {"rank": 1}]
+
+
+def test_spawned_ranks_are_timed_on_the_machines_fair_share(monkeypatch):
+    """On a machine loaded 4 times over, a second of the ranks' clock takes 4 wall seconds,
+    so a quick run's limit does not kill healthy ranks that merely wait for a core."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import common
+
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (8.0, 8.0, 8.0))
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 2)
+    clock = common.LoadClock()
+    clock.last -= 4.0  # four wall-clock seconds ago
+    assert 0.99 <= clock.now() <= 1.1
