@@ -41,6 +41,7 @@ from fpipe._runtime.engine import (
     check_options,
     check_stages,
     check_training,
+    check_untransformed,
     input_grads,
     nonfinite_error,
     returned_loss,
@@ -422,6 +423,7 @@ class DistributedPipeline:
         """A new step, agreed with every rank (the header), its channel, and with data
         parallelism in training (or with state), this replica's share of the global batch and
         its gradients' reduction."""
+        check_untransformed("a distributed pipeline's call", x)
         leaves = self.held.param_leaves(params, self.params)
         states = self.held.states(state, self.state)
         training = call > 0

@@ -19,6 +19,7 @@ from torch import nn
 
 from fpipe._gpipe import arguments
 from fpipe._gpipe.run import Pipelines, Run, check_input, microbatches, remat_of
+from fpipe._runtime.engine import check_untransformed
 from fpipe.stages.batchnorm import DeferredBatchNorm
 from fpipe.stages.module_skip import verify_skippables
 
@@ -66,6 +67,7 @@ class GPipe(nn.Module):
         self._pipelines = Pipelines()
 
     def forward(self, input: Any) -> Any:
+        check_untransformed("fpipe.GPipe's forward", input)
         check_input(input)
         if not self.partitions:
             return input  # an empty nn.Sequential: the identity, as in torchgpipe

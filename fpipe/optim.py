@@ -30,6 +30,9 @@ def bind_grads(params: Any, grads: Any) -> None:
         optimizer = torch.optim.AdamW(optree.tree_leaves(params))
         loss, grads = pipe.value_and_grad(x, target)
         bind_grads(params, grads); optimizer.step()
+
+    A leaf whose gradient is ``None`` (frozen, or used by no stage) gets ``.grad = None``, so
+    ``torch.optim`` leaves it alone, weight decay included, as after ``loss.backward()``.
     """
     leaves, spec = optree.tree_flatten(params)
     grad_leaves = spec.flatten_up_to(grads)
@@ -38,9 +41,11 @@ def bind_grads(params: Any, grads: Any) -> None:
 
 
 def sgd(params: Any, grads: Any, lr: float) -> Any:
-    """``params - lr * grads``, leaf by leaf, as new tensors: the functional update."""
+    """``params - lr * grads``, leaf by leaf, as new tensors: the functional update. A leaf
+    whose gradient is ``None`` (frozen, or unused) is kept as it is."""
     with torch.no_grad():
-        return optree.tree_map(lambda p, g: p - lr * g, params, grads)
+        return optree.tree_map(lambda p, g: p if g is None else p - lr * g, params, grads,
+                               none_is_leaf=True)
 
 
 def global_norm(grads: Any, *, ties: Any = (), group: Any = None) -> torch.Tensor:
@@ -78,11 +83,12 @@ def _counted(grads: Any, ties: Any) -> list[torch.Tensor]:
     (lowest stage) member."""
     copies = {member for tie in ties for member in sorted(tie)[1:]}
     stages = stage_items(grads)
-    if not copies:
+    if not copies:  # (optree skips None, a frozen or unused leaf's gradient)
         return [leaf for _, tree in stages for leaf in optree.tree_leaves(tree)]
     return [leaf for stage, tree in stages
-            for name, leaf in zip(leaf_names(tree), optree.tree_leaves(tree))
-            if (stage, name) not in copies]
+            for name, leaf in zip(leaf_names(tree, none_is_leaf=True),
+                                  optree.tree_leaves(tree, none_is_leaf=True))
+            if leaf is not None and (stage, name) not in copies]
 
 
 def _group_norm(norm: torch.Tensor, group: Any) -> torch.Tensor:

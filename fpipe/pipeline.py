@@ -21,6 +21,7 @@ from fpipe._runtime.engine import (
     check_options,
     check_stages,
     check_training,
+    check_untransformed,
     input_grads,
     nonfinite_error,
     output_cotangents,
@@ -29,6 +30,7 @@ from fpipe._runtime.engine import (
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
 from fpipe._runtime.ties import TieSums
+from fpipe._runtime.values import param_leaves
 from fpipe._runtime.trees import tree_map
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import program_of
@@ -50,7 +52,11 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
     Args:
         stages: pure functions ``stage(params_i, x) -> y``, one per stage.
         params: one pytree of tensors per stage. Each stage runs on the device of its
-            parameters; they are never copied or moved.
+            parameters; they are never copied or moved. Every floating-point leaf is
+            differentiated (as ``torch.func`` does, whatever its ``requires_grad``) except an
+            ``nn.Parameter`` with ``requires_grad=False``, which is frozen: its gradient is
+            ``None`` (``from_modules`` passes a model's frozen parameters so). A leaf no
+            stage's output depends on also gets ``None``.
         schedule: a schedule value such as ``gpipe(chunks=8)`` or ``one_f_one_b(chunks=8)``,
             anything with a ``program(n_stages) -> Program`` method (a ``Program`` itself), or
             a function ``n_stages -> Program``.
@@ -187,7 +193,8 @@ class Pipeline:
         """The last stage's output for the whole batch, forward only (and the new state, for
         a stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the
         step's timeline."""
-        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state)
+        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state,
+                                                             entry="pipe(x)")
         with self._times.step("forward step"):
             outputs, new_state = self._driver.infer(self.inference_program, leaves, states,
                                                     inputs, sizes, record)
@@ -204,7 +211,8 @@ class Pipeline:
         timeline."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
-        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state, training=True)
+        leaves, states, n, inputs, sizes = self._step_inputs(x, params, state, training=True,
+                                                             entry="value_and_grad")
         if target is None:
             targets = [None] * self.chunks
         else:
@@ -234,7 +242,8 @@ class Pipeline:
         at leaves that carry no gradient. A stateful pipeline returns
         ``(y, vjp_fn, new_state)``.
         """
-        leaves, states, _, inputs, sizes = self._step_inputs(x, params, state, training=True)
+        leaves, states, _, inputs, sizes = self._step_inputs(x, params, state, training=True,
+                                                             entry="vjp")
         step = self._driver.begin(self.program, leaves, states, inputs, sizes)
         outputs = step.outputs
         y = microbatch.join([out.tree() for out in outputs])
@@ -253,9 +262,11 @@ class Pipeline:
         return (y, vjp_fn, step.state) if self.stateful else (y, vjp_fn)
 
     def _step_inputs(self, x: Any, params: Sequence[Any] | None,
-                     state: Sequence[Any] | None, training: bool = False) -> tuple:
+                     state: Sequence[Any] | None, training: bool = False,
+                     entry: str = "pipe(x)") -> tuple:
         """What every call starts from: parameter leaves, states, the batch size, the input's
         micro-batches (flattened, on the first stage's device) and their sizes."""
+        check_untransformed(f"Pipeline {entry}", x)
         if training:
             check_training()
         leaves, states = self._param_leaves(params), self._state(state)
@@ -297,8 +308,7 @@ class Pipeline:
                     raise ValueError(f"params[{s}] has structure {optree.tree_structure(tree)}, "
                                      f"but the pipeline was built with {spec}")
             check_params(dict(enumerate(params)), self.devices)
-        return [[leaf.detach() if leaf.requires_grad else leaf for leaf in optree.tree_leaves(p)]
-                for p in params]
+        return [param_leaves(p) for p in params]
 
     def _state(self, state: Sequence[Any] | None) -> list:
         if not self.stateful:

@@ -40,6 +40,20 @@ class Mutant:
 
 
 MUTANTS = (
+    # -- frozen and unused parameters, torch.func transforms (issue 29) -------------------------
+    Mutant("a frozen nn.Parameter differentiated", "_runtime/values.py",
+           "return isinstance(leaf, torch.nn.Parameter) and not leaf.requires_grad",
+           "return False", ("tests/test_frozen.py",), quick=True),
+    Mutant("an unused parameter's gradient made zeros", "_runtime/vjp.py",
+           "return list(grads[:n]), _zeros_for_none(grads[n:], inputs)",
+           "return _zeros_for_none(grads[:n], params), _zeros_for_none(grads[n:], inputs)",
+           ("tests/test_frozen.py",)),
+    Mutant("a model's frozen parameters passed as plain tensors", "stages/materialize.py",
+           "    if not frozen:\n        return taken\n", "    return taken\n",
+           ("tests/test_frozen.py",)),
+    Mutant("a call under a torch.func transform let through", "_runtime/engine.py",
+           "    if interpreter is not None:\n        kind", "    if False:\n        kind",
+           ("tests/test_frozen.py",)),
     # -- the ones the issue planted ------------------------------------------------------------
     Mutant("a micro-batch's gradient dropped", "_runtime/step.py",
            "self.totals[stage] = [acc + grad for acc, grad in zip(total, grads)]",

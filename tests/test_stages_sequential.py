@@ -72,14 +72,16 @@ def test_sequential_gradients_match_the_module(balance, schedule):
         torch.testing.assert_close(merged[name], g, **TIGHT)
 
 
-def test_params_are_detached_copies_on_the_devices():
+def test_params_are_detached_copies_on_the_devices_frozen_ones_frozen_parameters():
     model = mlp()
+    model[2].bias.requires_grad_(False)  # frozen in the model: frozen in the stages
     s = from_sequential(model, [3, 5], devices=["cpu", torch.device("cpu")])
     assert list(s.params[0]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert s.state == [{}, {}]
     for part in s.params:
-        for t in part.values():
-            assert t.is_leaf and not t.requires_grad and not isinstance(t, nn.Parameter)
+        for name, t in part.items():
+            assert t.is_leaf and not t.requires_grad
+            assert isinstance(t, nn.Parameter) == (name == "2.bias")
             assert t.device == torch.device("cpu")
     s.params[0]["0.weight"].zero_()
     assert model[0].weight.abs().sum() > 0  # the module is not aliased

@@ -137,10 +137,24 @@ class Run(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        param_grads, input_grads = ctx.vjp_fn(tuple(grads) if ctx.tuple_output else grads[0])
+        vjp_fn = getattr(ctx, "vjp_fn", None)
+        if vjp_fn is None:
+            raise RuntimeError(
+                "fpipe.GPipe: this forward's backward has run already. A GPipe step's "
+                "backward runs once (each stage's graph is freed as it goes), so "
+                "backward(retain_graph=True) twice and torch.autograd.functional.jacobian "
+                "over the module are not supported: run the forward again for each backward")
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fpipe.GPipe: backward(create_graph=True) (a double backward, a Hessian) is "
+                "not supported: the pipeline's backward runs outside autograd's graph. Take "
+                "higher derivatives of the plain nn.Sequential instead")
         del ctx.vjp_fn
+        param_grads, input_grads = vjp_fn(tuple(grads) if ctx.tuple_output else grads[0])
         input_grads = list(input_grads) if ctx.tuple_input else [input_grads]
-        return (None, None, None, *input_grads, *optree.tree_leaves(param_grads))
+        # One entry per parameter: None for a frozen or unused one, which then gets no .grad.
+        return (None, None, None, *input_grads,
+                *optree.tree_leaves(param_grads, none_is_leaf=True))
 
 
 def _kind(value: Any) -> str:

@@ -60,18 +60,23 @@ class StageCall:
         return self._outputs(outs, mb.size), new_state
 
     def forward_vjp(self, params: list, inputs: tuple[Value, ...], state: Any,
-                    mb: MicroBatch, split: bool = False,
-                    accumulate: list | None = None) -> tuple[list[Value], Any, Any]:
+                    mb: MicroBatch, split: bool = False, accumulate: list | None = None,
+                    trainable: tuple[int, ...] | None = None) -> tuple[list[Value], Any, Any]:
         """The outputs, the new state, and the function mapping the outputs' cotangents to
         ``(param_grads, input_grads)``, lists of leaves in output and input order; with
         ``split``, a :class:`~fpipe._runtime.split_backward.SplitVJP` giving the two halves.
-        With ``accumulate`` (only where :attr:`accumulates`: the step's leaves for ``params``),
-        the backward adds the parameters' gradients into their ``.grad`` and gives ``None`` for
+        ``trainable``: the indices of the parameters differentiated (``None``: all); the
+        others are constants of the call, and ``param_grads`` has one entry per trainable
+        leaf, ``None`` for a leaf the outputs do not depend on. With ``accumulate`` (only
+        where :attr:`accumulates`: the step's leaves for the trainable ``params``), the
+        backward adds the parameters' gradients into their ``.grad`` and gives ``None`` for
         them (see :mod:`fpipe._runtime.vjp`)."""
         index = [value.grad_index for value in inputs] if self.grad_input else [()] * len(inputs)
         side: list = []  # what leaves the transform beside the differentiated outputs
+        whole = _whole(params, trainable)
 
         def flat(param_leaves: list, grad_leaves: list):
+            param_leaves = whole(param_leaves)
             trees, k = [], 0
             for value, where in zip(inputs, index):
                 full = value.leaves
@@ -103,12 +108,13 @@ class StageCall:
             x = inputs[0]
             differentiated = x.leaves if len(inputs) == 1 and len(index[0]) == len(x.leaves) \
                 else [value.leaves[i] for value, where in zip(inputs, index) for i in where]
+            diff_params = params if trainable is None else [params[i] for i in trainable]
             if split:
-                primals, vjp_fn, aux = split_vjp(flat, params, differentiated, has_aux=True)
+                primals, vjp_fn, aux = split_vjp(flat, diff_params, differentiated, has_aux=True)
             elif accumulate is not None:
-                primals, vjp_fn, aux = autograd_vjp(flat, params, differentiated, accumulate)
+                primals, vjp_fn, aux = autograd_vjp(flat, diff_params, differentiated, accumulate)
             else:
-                primals, vjp_fn, aux = self.engine(flat, params, differentiated)
+                primals, vjp_fn, aux = self.engine(flat, diff_params, differentiated)
         except RuntimeError as exc:
             if "used in an in-place operation" not in str(exc):
                 raise
@@ -139,6 +145,20 @@ class StageCall:
             for what, out in zip(self.outputs_named, outs):
                 check_output(out, size, what)
         return outs
+
+
+def _whole(params: list, trainable: tuple[int, ...] | None) -> Callable[[list], list]:
+    """``whole(differentiated) -> every parameter leaf``: the frozen leaves of ``params`` put
+    back beside the differentiated ones, in their places."""
+    if trainable is None:
+        return lambda leaves: leaves
+
+    def whole(leaves: list) -> list:
+        full = list(params)
+        for i, leaf in zip(trainable, leaves):
+            full[i] = leaf
+        return full
+    return whole
 
 
 def _split_outputs(outs: list[Value]) -> tuple[list, list]:

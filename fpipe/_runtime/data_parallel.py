@@ -192,7 +192,7 @@ class GradReduce:
         if stage in self.launched:
             return
         self.launched.add(stage)
-        grads = sums.stage(stage)
+        grads = sums.reduced(stage)
         if grads is None:
             return
         with torch.no_grad():
@@ -200,7 +200,7 @@ class GradReduce:
                 flat = _pack(grads, indices, self.dp.wire)
                 flat.mul_(self.share)
                 work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
-                self.buckets.append((stage, indices, flat, work))
+                self.buckets.append((stage, indices, flat, work, grads))
 
     def apply(self, grads: list, sums: Any) -> list:
         """``grads`` (per stage, flat leaves) with every held stage's reduced: the stages not
@@ -208,10 +208,10 @@ class GradReduce:
         for stage in self.held:
             self.launch(stage, sums)
         grads = [None if g is None else list(g) for g in grads]
-        for stage, indices, flat, work in self.buckets:
+        for stage, indices, flat, work, like in self.buckets:
             self.faults.wait(work, f"the gradients of stage {stage} from its data-parallel "
                              f"replicas", self.dp.peer, stage)
-            for i, piece in _unpack(flat, grads[stage], indices):
+            for i, piece in _unpack(flat, like, indices):
                 grads[stage][i] = piece
         self.buckets.clear()
         return grads
@@ -219,10 +219,12 @@ class GradReduce:
 
 def _buckets(grads: list, cap: int) -> list[list[int]]:
     """Leaf indices grouped by dtype, in order, each group at most ``cap`` bytes (a leaf
-    larger than ``cap`` is a bucket of its own)."""
+    larger than ``cap`` is a bucket of its own); ``None`` leaves (frozen) are left out."""
     open_: dict[torch.dtype, tuple[list[int], int]] = {}
     done: list[list[int]] = []
     for i, grad in enumerate(grads):
+        if grad is None:
+            continue
         size = grad.numel() * grad.element_size()
         indices, used = open_.get(grad.dtype, ([], 0))
         if indices and used + size > cap:

@@ -15,7 +15,8 @@ import torch
 from fpipe._runtime import microbatch
 from fpipe.errors import NonFiniteLossError
 
-__all__ = ["check_options", "check_stages", "check_training", "nonfinite_error", "returned_loss",
+__all__ = ["check_options", "check_stages", "check_training", "check_untransformed",
+           "nonfinite_error", "returned_loss",
            "output_cotangent", "output_cotangents", "input_grads"]
 
 NONFINITE = ("raise", "ignore")
@@ -56,6 +57,50 @@ def check_training() -> None:
         raise RuntimeError("a training step cannot run under torch.inference_mode(): "
                            "tensors made there take no part in autograd; call pipe(x) "
                            "for a forward-only step")
+
+
+# What each functorch transform is called by users, for the message.
+_TRANSFORMS = {"Grad": "torch.func.grad / vjp / jacrev", "Jvp": "torch.func.jvp / jacfwd",
+               "Vmap": "torch.func.vmap", "Functionalize": "torch.func.functionalize"}
+
+
+def check_untransformed(entry: str, x: Any = None) -> None:
+    """Refuse a call made under a ``torch.func`` transform (or with forward-mode dual inputs).
+
+    A pipeline runs its stages on worker threads (or other ranks) and takes their vjps
+    itself: a transform of the caller's thread would see the pipeline's outputs as constants
+    and return zeros, silently. So every entry point says so at once, naming what to call
+    instead."""
+    interpreter = _peek_interpreter()
+    if interpreter is not None:
+        kind = interpreter.key().name
+        how = _TRANSFORMS.get(kind, f"a torch.func transform ({kind})")
+    elif _forward_ad_level() >= 0 and any(
+            isinstance(leaf, torch.Tensor) and
+            torch.autograd.forward_ad.unpack_dual(leaf).tangent is not None
+            for leaf in optree.tree_leaves(x)):
+        how = "torch.autograd.forward_ad (a dual tensor)"
+    else:
+        return
+    raise RuntimeError(
+        f"{entry} was called under {how}. fpipe runs each stage's forward and vjp itself, on "
+        f"its own worker threads or ranks, where the transform does not reach: it would see "
+        f"the pipeline's result as a constant and give zeros. Call the pipeline's own "
+        f"transforms instead: loss, grads = pipe.value_and_grad(x, target) for gradients of "
+        f"a loss, y, vjp_fn = pipe.vjp(x) for a vjp (vjp_fn(cotangent) -> (param_grads, "
+        f"x_grad)); for a batch of inputs pass the batch itself (dim 0 is the batch), not "
+        f"vmap. fpipe.GPipe's gradients come from loss.backward()")
+
+
+try:  # functorch's interpreter stack: not None inside a transform
+    from torch._C._functorch import peek_interpreter_stack as _peek_interpreter
+except ImportError:  # pragma: no cover - torch without functorch's C++ layer
+    def _peek_interpreter() -> Any:
+        return None
+
+
+def _forward_ad_level() -> int:
+    return getattr(torch.autograd.forward_ad, "_current_level", -1)
 
 
 def _takes_params(module: torch.nn.Module) -> bool:

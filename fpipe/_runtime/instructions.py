@@ -198,7 +198,7 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
         if kind.keep:
             outs, step.state[stage], vjp_fn = call.forward_vjp(
                 step.params[stage], inputs, state, mb, split=kind.split,
-                accumulate=_accumulate(job, kind, stage))
+                accumulate=_accumulate(job, kind, stage), trainable=step.grads.trainable[stage])
             step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, inputs))
         else:
             outs, step.state[stage] = call.forward(step.params[stage], inputs, state, mb)
@@ -226,7 +226,8 @@ def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
             recomputing(), job.timed(kind, stage, microbatch):
         *_, vjp_fn = call.forward_vjp(step.params[stage], inputs, state,
                                       step.batch[microbatch], split=kind.split,
-                                      accumulate=_accumulate(job, kind, stage))
+                                      accumulate=_accumulate(job, kind, stage),
+                                      trainable=step.grads.trainable[stage])
     if drawing.drew != drew:
         raise StageError(f"the stage drew random numbers in its "
                          f"{'forward' if drew else 'recompute'} but not in its "

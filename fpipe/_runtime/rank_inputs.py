@@ -11,6 +11,7 @@ import optree
 import torch
 
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.values import param_leaves
 from fpipe.errors import PlacementError
 from fpipe.schedules.actions import Program
 
@@ -72,8 +73,8 @@ class Held(NamedTuple):
                                      f"{optree.tree_structure(params[s])}, but the pipeline was "
                                      f"built with {self.specs[s]}")
             check_params(params, {s: self.device for s in self.stages})
-        return [[leaf.detach() for leaf in optree.tree_leaves(params[s])] if s in params
-                else None for s in range(self.n_stages)]
+        return [param_leaves(params[s]) if s in params else None
+                for s in range(self.n_stages)]
 
     def states(self, state: Mapping[int, Any] | None, built: Mapping[int, Any] | None) -> list:
         """Per stage of the whole pipeline, the state this rank passes (``None`` for others):

@@ -78,9 +78,10 @@ class SplitVJP:
             # one recorded node would run the other again. Compute both halves now instead
             # (so too on torch < 2.4).
             grads = torch.autograd.grad(self.outs, self.inputs + self.params, cotangents,
-                                        allow_unused=True, materialize_grads=True)
+                                        allow_unused=True)
             self._fused = list(grads[len(self.inputs):])
-            return list(grads[:len(self.inputs)])
+            return [torch.zeros_like(x) if g is None else g
+                    for g, x in zip(grads[:len(self.inputs)], self.inputs)]
         self._graph = graph
         handles = [node.register_prehook(self._recorder(node)) for node in graph.recorded]
         try:
@@ -92,17 +93,18 @@ class SplitVJP:
         return list(grads)
 
     def weight_grads(self) -> list:
-        """The gradients of the parameters, from what :meth:`input_grads` recorded."""
+        """The gradients of the parameters, from what :meth:`input_grads` recorded (``None``
+        for a parameter the outputs do not use)."""
         if self._cotangents is None:
             raise RuntimeError("weight_grads() needs input_grads() first")
         cotangents, self._cotangents = self._cotangents, None
         if self._fused is not None:
             return self._fused
         if not self.params or not self.outs:  # a stage without parameters, or constant outputs
-            return [torch.zeros_like(p) for p in self.params]
+            return [None] * len(self.params)
         if not self.inputs:  # nothing was split off: the whole backward runs here
             return list(torch.autograd.grad(self.outs, self.params, cotangents,
-                                            allow_unused=True, materialize_grads=True))
+                                            allow_unused=True))
         graph = self._graph
         # Gradients flowing into the parameter branches: from outputs that do not depend on
         # the inputs, and from each recorded node, run again for its branch operands only.
@@ -121,11 +123,10 @@ class SplitVJP:
                 if grad is not None:
                     _add(arriving, (branch.node, branch.output_nr), grad)
         if not arriving:
-            return [torch.zeros_like(p) for p in self.params]
+            return [None] * len(self.params)
         edges = list(arriving)
         return list(torch.autograd.grad([GradientEdge(*e) for e in edges], self.params,
-                                        [arriving[e] for e in edges], allow_unused=True,
-                                        materialize_grads=True))
+                                        [arriving[e] for e in edges], allow_unused=True))
 
     def _recorder(self, node: Node) -> Callable:
         def record(grad_outputs: tuple) -> None:

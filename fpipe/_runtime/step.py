@@ -12,7 +12,7 @@ import torch
 from fpipe._runtime.adapters import MicroBatch
 from fpipe._runtime.split_backward import SplitVJP
 from fpipe._runtime.thread_state import ThreadState
-from fpipe._runtime.values import Value
+from fpipe._runtime.values import Value, trainable
 from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
@@ -116,7 +116,7 @@ class Step:
         self.vjps: dict[tuple[int, int], tuple[Callable, tuple[int, ...]]] = {}
         # Per (stage, micro-batch) between its I and its W: the backward's second half.
         self.pending_weights: dict[tuple[int, int], SplitVJP] = {}
-        self.grads = GradSums(len(params))
+        self.grads = GradSums(params)
         self.outputs: list = [None] * len(sizes)
         self.error: BaseException | None = None
         self._error_lock = threading.Lock()
@@ -135,28 +135,41 @@ class Step:
 
 
 class GradSums:
-    """Per stage, the sum over micro-batches of its parameters' gradients (flat leaves).
+    """Per stage, the sum over micro-batches of its trainable parameters' gradients.
 
-    Two ways in, and :meth:`out` gives their sum per stage:
+    ``trainable[s]`` gives the indices of stage ``s``'s differentiated parameter leaves
+    (``None``: all; see :func:`~fpipe._runtime.values.trainable`). Two ways in, and
+    :meth:`out` gives their sum per stage as one entry per parameter leaf, ``None`` for a
+    frozen leaf and for one no micro-batch's outputs depended on (an unused weight, which
+    PyTorch too leaves without ``.grad``):
 
-    - :meth:`leaves`: the step's own leaves for a stage's parameters, which require grad; a
-      backward through ``torch.autograd`` adds into their ``.grad`` inside the engine, as
-      ``loss.backward()`` accumulates over micro-batches. Made per step (from that step's
+    - :meth:`leaves`: the step's own leaves for a stage's trainable parameters, which require
+      grad; a backward through ``torch.autograd`` adds into their ``.grad`` inside the engine,
+      as ``loss.backward()`` accumulates over micro-batches. Made per step (from that step's
       parameters), never kept across steps. Used where the sum is the same as :meth:`add`'s:
       no ``grad_dtype`` and a backward not split.
-    - :meth:`add`: one micro-batch's gradients, as a vjp returned them."""
+    - :meth:`add`: one micro-batch's gradients, as a vjp returned them (``None`` where a
+      leaf was not used)."""
 
-    __slots__ = ("totals", "owned", "made")
+    __slots__ = ("params", "trainable", "totals", "owned", "made")
 
-    def __init__(self, n_stages: int) -> None:
+    def __init__(self, params: list) -> None:
+        """``params``: per stage, its parameter leaves (``None`` for a stage not held here)."""
+        self.params = params
+        self.trainable = [None if leaves is None else trainable(leaves) for leaves in params]
+        n_stages = len(params)
         self.totals: list = [None] * n_stages
-        self.owned: set[int] = set()  # stages whose totals are fpipe's own tensors
+        self.owned: list = [None] * n_stages  # per stage and leaf: whether fpipe made the sum
         self.made: list = [None] * n_stages  # per stage, the step's leaves (or None)
 
     def leaves(self, stage: int, params: list) -> list:
-        """The step's leaves for ``stage``'s parameters, ``params``: detached, requiring grad."""
+        """The step's leaves for ``stage``'s trainable parameters (of ``params``): detached,
+        requiring grad."""
         made = self.made[stage]
         if made is None:
+            index = self.trainable[stage]
+            if index is not None:
+                params = [params[i] for i in index]
             made = self.made[stage] = [p.detach().requires_grad_() for p in params]
         return made
 
@@ -166,22 +179,28 @@ class GradSums:
         micro-batch's gradient is cast before it is added, so the sum does not round at the
         parameters' precision."""
         if dtype is not None:
-            grads = [grad.to(dtype) for grad in grads]
-        # A vjp may return views, broadcast (stride-0) tensors, or the very cotangent it was
-        # given: the first sum is out of place, so later ones may add in place.
+            grads = [None if grad is None else grad.to(dtype) for grad in grads]
         total = self.totals[stage]
         if total is None:
             self.totals[stage] = list(grads)
-        elif stage not in self.owned:
-            self.totals[stage] = [acc + grad for acc, grad in zip(total, grads)]
-            self.owned.add(stage)
-        else:
-            for acc, grad in zip(total, grads):
-                acc.add_(grad)
+            self.owned[stage] = [False] * len(grads)
+            return
+        # A vjp may return views, broadcast (stride-0) tensors, or the very cotangent it was
+        # given: a leaf's first sum is out of place, so later ones may add in place.
+        owned = self.owned[stage]
+        for i, grad in enumerate(grads):
+            if grad is None:
+                continue
+            if total[i] is None:
+                total[i] = grad
+            elif owned[i]:
+                total[i].add_(grad)
+            else:
+                total[i], owned[i] = total[i] + grad, True
 
     def out(self) -> list:
-        """Per stage, its summed leaves (``None`` for a stage without a backward here), never
-        aliasing a vjp's own output."""
+        """Per stage, one gradient per parameter leaf (``None`` for a stage without a backward
+        here), never aliasing a vjp's own output."""
         return [self._out(stage) for stage in range(len(self.totals))]
 
     def stage(self, stage: int) -> list | None:
@@ -189,16 +208,45 @@ class GradSums:
         the data-parallel reduction launches a stage's as soon as its last backward ran)."""
         return self._out(stage)
 
+    def reduced(self, stage: int) -> list | None:
+        """One stage's gradients for a data-parallel reduction: a tensor for every trainable
+        leaf, zeros where this replica's micro-batches did not use it (another replica's may
+        have), so that every replica's buckets hold the same leaves; ``None`` for a frozen
+        leaf, which no replica differentiates."""
+        grads = self._out(stage)
+        if grads is None:
+            return None
+        index = self.trainable[stage]
+        live = range(len(grads)) if index is None else index
+        for i in live:
+            if grads[i] is None:
+                grads[i] = torch.zeros_like(self.params[stage][i])
+        return grads
+
     def _out(self, stage: int) -> list | None:
         total, made = self.totals[stage], self.made[stage]
-        if total is not None and stage not in self.owned:
-            total = [g.clone() for g in total]
-        if made is None:
-            return total
-        accumulated = [torch.zeros_like(p) if p.grad is None else p.grad for p in made]
+        if total is not None:
+            total = [g if g is None or own else g.clone()
+                     for g, own in zip(total, self.owned[stage])]
+        if made is not None:
+            accumulated = [p.grad for p in made]
+            total = accumulated if total is None else \
+                [_plus(a, b) for a, b in zip(total, accumulated)]
         if total is None:
-            return accumulated
-        return [a + b for a, b in zip(total, accumulated)]
+            return None
+        index = self.trainable[stage]
+        if index is None:
+            return total
+        full: list = [None] * len(self.params[stage])
+        for i, grad in zip(index, total):
+            full[i] = grad
+        return full
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
 
 
 class Channel(Protocol):

@@ -113,7 +113,9 @@ class TieGroups:
     def _bucket(self, group: Any, members: tuple[int, ...], ties: list[int]) -> None:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for t in ties:
-            by_dtype.setdefault(self.targets[t][0][1], []).append(t)
+            dtype = next((target[1] for target in self.targets[t] if target is not None),
+                         torch.float64)  # (a frozen tie's members get nothing: any dtype)
+            by_dtype.setdefault(dtype, []).append(t)
         for dtype, found in by_dtype.items():
             self.buckets.append(_Bucket(group, members, tuple(found), dtype))
 
@@ -148,7 +150,9 @@ class TieGroups:
     def _partial(self, grads: list, t: int, dtype: torch.dtype) -> torch.Tensor:
         """The sum of tie ``t``'s members held here, flat, on the wire (zeros if none has a
         gradient)."""
-        shape, (device, _) = self.shapes[t], self.targets[t][0]
+        shape = self.shapes[t]
+        device = next((target[0] for target in self.targets[t] if target is not None),
+                      self.wire)
         value = total(grads, self.places[t], lambda: torch.zeros(shape, dtype=dtype,
                                                                  device=device))
         return value.reshape(-1).to(self.wire, dtype)

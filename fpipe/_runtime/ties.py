@@ -21,6 +21,7 @@ import optree
 import torch
 
 from fpipe._runtime.trees import leaf_names
+from fpipe._runtime.values import frozen
 
 __all__ = ["Member", "parse", "describe", "slots", "check_local", "total", "assign",
            "targets", "TieSums"]
@@ -133,6 +134,10 @@ def check_local(ties: Ties, places: tuple, params: Mapping[int, Any]) -> None:
                 raise ValueError(f"{what} differ: {tuple(a.shape)} {a.dtype} against "
                                  f"{tuple(b.shape)} {b.dtype}; tied leaves must have equal "
                                  f"shape and dtype")
+            if frozen(a) != frozen(b):
+                raise ValueError(f"{what}: one is frozen (an nn.Parameter with "
+                                 f"requires_grad=False) and the other is not; a tied weight "
+                                 f"is one tensor, trained or frozen as a whole")
             if not torch.equal(a, b.to(a.device)):
                 raise ValueError(f"{what} hold different values; tied copies must start "
                                  f"equal (copy one into the other before building the "
@@ -162,17 +167,20 @@ def assign(grads: list, held: Sequence[tuple[int, int]], value: torch.Tensor,
     """Give each held member its own copy of ``value``, on its parameter's device and in its
     gradient dtype (``targets``, per member): no two members share a tensor, so an optimiser
     that writes into one gradient leaves the others alone."""
-    for (s, i), (device, dtype) in zip(held, targets):
-        if grads[s] is not None:  # (a stage without a backward here returns no gradients)
-            grads[s][i] = value.to(device, dtype, copy=True)
+    for (s, i), target in zip(held, targets):
+        # (a stage without a backward here returns no gradients; a frozen tie has no target)
+        if grads[s] is not None and target is not None:
+            grads[s][i] = value.to(*target, copy=True)
 
 
 def targets(places: tuple, params: Mapping[int, Any], grad_dtype: torch.dtype | None,
             ) -> tuple[tuple[tuple[torch.device, torch.dtype], ...], ...]:
     """Per tie, each held member's gradient device and dtype (``grad_dtype``, or the
-    parameter's own dtype)."""
+    parameter's own dtype); ``None`` for a frozen member, which gets no gradient."""
     leaves = {s: optree.tree_leaves(tree) for s, tree in params.items()}
-    return tuple(tuple((leaves[s][i].device, grad_dtype or leaves[s][i].dtype) for s, i in held)
+    return tuple(tuple(None if frozen(leaves[s][i]) else
+                       (leaves[s][i].device, grad_dtype or leaves[s][i].dtype)
+                       for s, i in held)
                  for held in places)
 
 

@@ -44,14 +44,15 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     return optree.tree_unflatten(spec, [fn(leaf) for leaf in leaves])
 
 
-def leaf_names(tree: Any) -> list[str]:
+def leaf_names(tree: Any, none_is_leaf: bool = False) -> list[str]:
     """The name of each leaf of one stage's parameter pytree, in leaf order: its path joined
     by dots (``"wte.weight"`` for a dict's key, ``"3.weight"`` under ``from_sequential``).
 
     Parameters are flattened with optree's default registry, as the faces flatten them, so
     the names line up with the flat leaves a step's gradients come in. ``fpipe.saving.names``
-    spells names the same way; ties (``ties=``) are declared in these names."""
-    paths, _, _ = optree.tree_flatten_with_path(tree)
+    spells names the same way; ties (``ties=``) are declared in these names. With
+    ``none_is_leaf``, a ``None`` (a frozen leaf's gradient) is named too."""
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=none_is_leaf)
     return [".".join(str(key) for key in path) for path in paths]
 
 

@@ -16,11 +16,37 @@ import torch
 from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import StageError
 
-__all__ = ["Value", "flatten", "differentiable", "check_output", "describe"]
+__all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "trainable", "check_output",
+           "describe"]
 
 
 def differentiable(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+def frozen(leaf: Any) -> bool:
+    """A parameter leaf fpipe does not differentiate: an ``nn.Parameter`` whose
+    ``requires_grad`` is False, PyTorch's frozen parameter. Every other floating-point leaf is
+    differentiated, as ``torch.func`` differentiates plain tensors whatever their flag: so
+    a model's convention holds for its parameters (``from_modules`` and ``fpipe.GPipe`` pass
+    them as ``nn.Parameter``s) and the functional one for plain tensors, and neither can be
+    half-applied."""
+    return isinstance(leaf, torch.nn.Parameter) and not leaf.requires_grad
+
+
+def param_leaves(tree: Any) -> list:
+    """One stage's parameter leaves as a step takes them: detached where they require grad
+    (the step differentiates its own leaves), a frozen ``nn.Parameter`` as it is, so that
+    :func:`trainable` still sees it."""
+    return [leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
+            for leaf in optree.tree_leaves(tree)]
+
+
+def trainable(leaves: list) -> tuple[int, ...] | None:
+    """The indices of the differentiated leaves of one stage's parameters, or ``None`` when
+    all of them are (the common case, which costs nothing downstream)."""
+    index = tuple(i for i, leaf in enumerate(leaves) if not frozen(leaf))
+    return None if len(index) == len(leaves) else index
 
 
 @dataclass(slots=True)

@@ -2,8 +2,8 @@
 
 Both have one signature: ``engine(fn, params, inputs)`` with ``fn(params, inputs) ->
 (outputs, aux)`` over lists of tensors returns the detached outputs, ``vjp_fn`` and the
-detached aux; ``vjp_fn(cotangents)`` returns ``(param_grads, input_grads)``, zeros where a
-leaf does not reach the outputs, and may be called once.
+detached aux; ``vjp_fn(cotangents)`` returns ``(param_grads, input_grads)``, ``None`` for a
+parameter and zeros for an input that does not reach the outputs, and may be called once.
 
 - :func:`func_vjp` is ``torch.func.vjp(fn, params, inputs, has_aux=True)`` without its pytree
   layer, which costs more than a small stage's arithmetic: the same functorch calls
@@ -81,6 +81,17 @@ def _zeros_for_none(grads: tuple | list, like: list) -> list:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
 
 
+def _split_grads(grads: tuple | list | None, params: list, inputs: list) -> tuple[list, list]:
+    """``(param_grads, input_grads)`` from one backward's gradients of ``params + inputs``
+    (``None``: nothing reached): a parameter the outputs do not use keeps ``None`` (so it gets
+    no ``.grad``, as in PyTorch), an input gets zeros (its cotangent goes on to the stage
+    before)."""
+    n = len(params)
+    if grads is None:
+        return [None] * n, [torch.zeros_like(x) for x in inputs]
+    return list(grads[:n]), _zeros_for_none(grads[n:], inputs)
+
+
 def public_func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
     """``torch.func.vjp`` itself, with the engines' signature."""
     outs, vjp_fn, aux = _torch_func_vjp(fn, params, inputs, has_aux=True)
@@ -110,13 +121,11 @@ def _func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
 
     def vjp_fn(cotangents: list) -> tuple[list, list]:
         pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
-        if not pairs:
-            grads = [torch.zeros_like(x) for x in diff]
-        else:
+        grads = None
+        if pairs:
             with torch._dynamo.compiled_autograd._disable(), _inference_mode_off():
-                grads = _zeros_for_none(
-                    run_backward([o for o, _ in pairs], [c for _, c in pairs], diff), diff)
-        return grads[:n], grads[n:]
+                grads = run_backward([o for o, _ in pairs], [c for _, c in pairs], diff)
+        return _split_grads(grads, diff[:n], diff[n:])
 
     return results, vjp_fn, aux
 
@@ -157,7 +166,6 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
         with torch.enable_grad():
             outs, aux = fn(params, inputs)
     diff = params + inputs
-    n = len(params)
 
     def vjp_fn(cotangents: list) -> tuple[list | None, list]:
         outs_, cotangents_ = outs, cotangents
@@ -168,11 +176,10 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
                 break
         if not outs_ or not diff:  # nothing to differentiate (a stage without parameters
             # and inputs without gradient, or outputs that depend on none of them)
-            return (None if accumulate is not None else [torch.zeros_like(p) for p in params],
-                    [torch.zeros_like(x) for x in inputs])
+            param_grads, input_grads = _split_grads(None, params, inputs)
+            return None if accumulate is not None else param_grads, input_grads
         if accumulate is None:
-            grads = _zeros_for_none(run_backward(outs_, cotangents_, diff), diff)
-            return grads[:n], grads[n:]
+            return _split_grads(run_backward(outs_, cotangents_, diff), params, inputs)
         run_backward(outs_, cotangents_, diff, accumulate=True)
         grads = []
         for x in inputs:

@@ -66,7 +66,7 @@ def place_stages(modules: Sequence[nn.Module], devices: Sequence[torch.device],
             if i in made:
                 _initialise(module, init, done)
             take = _taker(device, made.get(i, set()))
-        params.append(take(module.named_parameters()))
+        params.append(_as_parameters(take(module.named_parameters()), module))
         state.append(take(module.named_buffers()))
     with torch.no_grad():
         for tie, value in values:
@@ -167,6 +167,17 @@ def _taker(device: torch.device, made: set[int]) -> Callable[[Iterable], Tensors
         return {name: t.detach() if id(t) in made else t.detach().to(device, copy=True)
                 for name, t in named}
     return take
+
+
+def _as_parameters(taken: Tensors, module: nn.Module) -> Tensors:
+    """The stage's parameters, those frozen in the model (``requires_grad=False``) as frozen
+    ``nn.Parameter``s, which the pipeline does not differentiate (see ``fpipe.pipeline``);
+    the others plain tensors, as ``torch.func`` takes them."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    if not frozen:
+        return taken
+    return {name: nn.Parameter(t, requires_grad=False) if name in frozen else t
+            for name, t in taken.items()}
 
 
 def _shapes(named: Iterable) -> Tensors:
