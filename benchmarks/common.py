@@ -103,8 +103,9 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
 
     Returns each rank's result in rank order: what ``target`` returned, ``{"error": text}`` if
     it raised or the rank exited without a result, or None for a rank that outlived
-    ``timeout`` (seconds of a :class:`LoadClock`) or was stopped because another failed. ``target`` must be importable by the
-    children (a module-level function or a partial of one; ``spawn`` start method).
+    ``timeout`` (seconds of a :class:`LoadClock`) or was stopped because another failed.
+    ``target`` must be importable by the children (a module-level function or a partial of
+    one; ``spawn`` start method).
 
     Fail fast: once one rank fails (raises or exits), the others get two seconds to report
     (their errors may follow from it) and are then killed, since they could only wait for it

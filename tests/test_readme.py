@@ -110,7 +110,8 @@ def test_the_readme_is_a_front_page_and_the_site_holds_the_manual():
     assert len(readme.encode()) <= README_LIMIT, f"README.md is {len(readme.encode())} bytes"
     setup = re.search(r"\n## Set-up\n(.*?)\n## ", readme, re.S).group(1)
     assert re.search(r"torch's\s+install\s+about\s+\w+", setup)
-    assert re.search(r"the tests\s+(take\s+)?(about|under|over)\s+\d+\s+minutes", setup), "the suite's time"
+    said = r"the tests\s+(take\s+)?(about|under|over)\s+\d+\s+minutes"
+    assert re.search(said, setup), "say how long the suite takes"
     site = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
     facts = [
         "| What | Raised as |", "`fpipe.NonFiniteLossError` with `.microbatches`",  # Errors
