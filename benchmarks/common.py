@@ -103,8 +103,9 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
 
     Returns each rank's result in rank order: what ``target`` returned, ``{"error": text}`` if
     it raised or the rank exited without a result, or None for a rank that outlived
-    ``timeout`` or was stopped because another failed. ``target`` must be importable by the
-    children (a module-level function or a partial of one; ``spawn`` start method).
+    ``timeout`` (seconds of a :class:`LoadClock`) or was stopped because another failed.
+    ``target`` must be importable by the children (a module-level function or a partial of
+    one; ``spawn`` start method).
 
     Fail fast: once one rank fails (raises or exits), the others get two seconds to report
     (their errors may follow from it) and are then killed, since they could only wait for it
@@ -126,35 +127,45 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
         process.start()
     results: list = [None] * world
     pending, died, raised = set(range(world)), [], []
-    deadline = time.monotonic() + timeout
+    clock = LoadClock()  # a busy machine (the test suite beside other jobs) slows healthy ranks
+    deadline = timeout
     stop = deadline
     # Read while the ranks run (a result larger than a pipe's buffer would block its sender).
-    while pending and time.monotonic() < stop:
+    while pending and clock.now() < stop:
+        # Who had exited before this read: a rank sends its result before it exits, so one that
+        # had exited and is still unheard once the queue is drained sent nothing (one that
+        # exits during the read may have sent its result just after the read gave up).
+        exited = [r for r in sorted(pending) if ranks[r].exitcode is not None]
         try:
             rank, result = results_queue.get(timeout=0.2)
         except queue.Empty:
-            # The queue is drained: a rank that has exited unheard sent nothing before it died.
-            for r in sorted(pending):
-                if ranks[r].exitcode is not None:
-                    results[r] = {"error": f"rank {r} exited with code {ranks[r].exitcode} "
-                                           f"without a result"}
-                    pending.discard(r)
-                    died.append(r)
+            for r in exited:
+                results[r] = {"error": f"rank {r} exited with code {ranks[r].exitcode} "
+                                       f"without a result"}
+                pending.discard(r)
+                died.append(r)
         else:
             results[rank] = result
             pending.discard(rank)
             if isinstance(result, dict) and "error" in result:
                 raised.append(rank)
         if (died or raised) and stop == deadline:  # hear the others briefly, then stop them
-            stop = min(deadline, time.monotonic() + 2.0)
+            stop = min(deadline, clock.now() + 2.0)
     # A rank that died is the likely cause of its peers' errors (a connection closed by it).
     failed = died + raised
     for process in ranks:
         if not failed:
-            process.join(max(deadline - time.monotonic(), 1.0))
+            process.join(max(deadline - clock.now(), 1.0))
         if process.is_alive():
             process.kill()
             process.join()
+    if strict and not failed:  # all answered: one that then ended badly (an abort at exit) failed
+        for r, process in enumerate(ranks):
+            if process.exitcode not in (0, None) and r not in pending:
+                results[r] = {"error": f"rank {r} sent its result, then exited with code "
+                                       f"{process.exitcode}"}
+                died.append(r)
+        failed = died
     if strict and failed:
         first, *others = failed
         also = "".join(f"\nthen rank {r}: {results[r]['error'].strip().splitlines()[-1]}"
@@ -165,6 +176,26 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
         raise RankFailed(f"ranks {sorted(pending)} of {world} did not finish within "
                          f"{timeout:g} s")
     return results
+
+
+class LoadClock:
+    """Seconds of a fair share of the machine, for the timeouts of spawned ranks: each
+    wall-clock second counts ``1 / load``, the 1-minute load average per core (at least 1). A
+    fixed wall-clock limit kills healthy ranks on a loaded machine; a hang, which loads
+    nothing, is still found after about the stated time."""
+
+    def __init__(self) -> None:
+        self.elapsed, self.last = 0.0, time.monotonic()
+
+    def now(self) -> float:
+        wall = time.monotonic()
+        try:
+            load = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+        except OSError:  # no load average on this platform: wall-clock time
+            load = 1.0
+        self.elapsed += (wall - self.last) / load
+        self.last = wall
+        return self.elapsed
 
 
 class RankFailed(RuntimeError):
@@ -186,6 +217,22 @@ def _rank_main(target: Callable, rank: int, world: int, port: int, results_queue
         result = {"error": traceback.format_exc()}
     results_queue.put((rank, result))
     dist.destroy_process_group()
+    _exit_at_once(results_queue)
+
+
+def _exit_at_once(results_queue) -> None:
+    """End a rank without the interpreter's teardown, once its result is sent.
+
+    gloo's worker threads release a finished collective's tensors after the caller's ``wait()``
+    returns, and that release needs the GIL: one still pending when the teardown begins aborts
+    the process ("terminate called without an active exception"; pytorch#179291). fpipe's exit
+    hook (``fpipe/_runtime/teardown.py``) gives them a moment, which a loaded machine can
+    outlast; a rank whose work is done has nothing to tear down, so it skips the teardown."""
+    results_queue.close()
+    results_queue.join_thread()  # the result is in the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_jobs(rank: int, world: int, jobs: list, timeout: float = 60.0,

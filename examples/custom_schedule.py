@@ -19,6 +19,7 @@ import optree
 import torch
 from torch.func import grad_and_value
 from tqdm import tqdm
+from workers import fit
 
 import fpipe
 from fpipe.schedules import Action, Costs, Op, Program, render, simulate
@@ -77,7 +78,7 @@ def main() -> None:
     def loss_fn(y, target):
         return torch.nn.functional.mse_loss(y, target)
 
-    with fpipe.pipeline([block] * args.stages, params, schedule=schedule,
+    with fpipe.pipeline([block] * args.stages, params, schedule=fit(schedule, args.stages),
                         loss_fn=loss_fn) as pipe:
         x = torch.randn(batch, width, dtype=torch.float64)
         double = optree.tree_map(lambda t: t.double(), params)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tokens import next_token_loss, synthetic_batch
 from torch import nn
 from tqdm import tqdm
+from workers import fit
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     optimizer = torch.optim.Adam(optree.tree_leaves(s.params), lr=args.lr)
     make = gpipe if args.schedule == "gpipe" else one_f_one_b
 
-    with fpipe.pipeline(s.stages, s.params, schedule=make(chunks=args.chunks),
+    with fpipe.pipeline(s.stages, s.params, schedule=fit(make(chunks=args.chunks), len(s.stages)),
                         loss_fn=next_token_loss) as pipe:
         size = sum(t.numel() for t in optree.tree_leaves(s.params))
         print(f"a GPT of {size} parameters in {len(s.stages)} stages "

@@ -1,6 +1,6 @@
 """Train a Hugging Face ``transformers`` GPT-2, cut into pipeline stages, on the CPU.
 
-    pip install 'fpipe[hf]'   # transformers and safetensors
+    pip install -e '.[hf]'   # in fpipe's clone: transformers and safetensors
     python examples/hf_gpt2.py [--steps 30] [--chunks 4]
 
 The model is ``GPT2LMHeadModel`` built from a tiny config with random weights (nothing is
@@ -24,6 +24,7 @@ import torch
 from tokens import next_token_loss, synthetic_batch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
+from workers import fit
 
 import fpipe
 from fpipe.optim import bind_grads, clip_grad_norm
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     s = from_modules(modules, root=model, stateful=False)
     print(f"tied across stages: {s.ties}")
     optimizer = torch.optim.AdamW(optree.tree_leaves(s.params), lr=args.lr)
-    with fpipe.pipeline(s.stages, s.params, schedule=one_f_one_b(chunks=args.chunks),
+    schedule = fit(one_f_one_b(chunks=args.chunks), len(s.stages))  # a worker per core at most
+    with fpipe.pipeline(s.stages, s.params, schedule=schedule,
                         loss_fn=next_token_loss, ties=s.ties) as pipe:
         print(f"GPT-2 from transformers in {len(s.stages)} stages:\n{pipe.program}")
         first = None

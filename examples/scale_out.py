@@ -1,6 +1,7 @@
 """Scale out as large-model jobs do: pipeline x data parallel, tied weights, a model built on
 the meta device, and checkpoints through torch.distributed.checkpoint.
 
+    pip install -e '.[examples,saving]'   # in fpipe's clone: tqdm, and numpy for DCP
     torchrun --standalone --nproc-per-node=4 examples/scale_out.py --dp 2 --save ckpt
     torchrun --standalone --nproc-per-node=2 examples/scale_out.py --dp 1 --resume ckpt
 
@@ -24,6 +25,7 @@ resumed job starts where the saved one ended.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -60,6 +62,15 @@ def shard(batch: tuple, replica: int, replicas: int) -> tuple:
     return tuple(t.chunk(replicas)[replica] for t in batch)
 
 
+def check_checkpoints(args: argparse.Namespace) -> None:
+    """``--save`` and ``--resume`` go through torch.distributed.checkpoint, which on several
+    ranks needs numpy: say so before training, not after it."""
+    if (args.save or args.resume) and importlib.util.find_spec("numpy") is None:
+        sys.exit("--save and --resume need numpy (torch.distributed.checkpoint exchanges its "
+                 "plans through it on several ranks): pip install numpy, or in fpipe's clone "
+                 "pip install -e '.[saving]'")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -69,6 +80,7 @@ def main() -> None:
     parser.add_argument("--save", metavar="DIR", help="write a checkpoint there at the end")
     parser.add_argument("--resume", metavar="DIR", help="start from the checkpoint there")
     args = parser.parse_args()
+    check_checkpoints(args)
     if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE and the rendezvous address
         command = shlex.join(["torchrun", "--standalone", f"--nproc-per-node={2 * args.dp}",
                               *sys.argv])

@@ -12,6 +12,7 @@ import argparse
 import optree
 import torch
 from tqdm import tqdm
+from workers import fit
 
 import fpipe
 from fpipe.schedules import gpipe, one_f_one_b
@@ -54,7 +55,9 @@ def main() -> None:
     teacher = torch.randn(width, 1)
     optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=args.lr)
 
-    with fpipe.pipeline(stages, params, schedule=schedule, loss_fn=loss_fn) as pipe:
+    # At most one worker thread per core (examples/workers.py): 2 cores, 2 workers of 2 stages.
+    with fpipe.pipeline(stages, params, schedule=fit(schedule, len(stages)),
+                        loss_fn=loss_fn) as pipe:
         print(f"{schedule!r} on {len(stages)} stages; the program each worker runs:")
         print(pipe.program)
         first = None

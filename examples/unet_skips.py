@@ -15,6 +15,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from workers import fit
 
 import fpipe
 from fpipe.schedules import gpipe
@@ -78,7 +79,7 @@ def main() -> None:
     optimizer = torch.optim.Adam(optree.tree_leaves(params), lr=3e-3)
     data = torch.Generator().manual_seed(1)
 
-    with fpipe.pipeline(stages, params, schedule=gpipe(chunks=args.chunks),
+    with fpipe.pipeline(stages, params, schedule=fit(gpipe(chunks=args.chunks), len(stages)),
                         loss_fn=F.mse_loss) as pipe:
         first = None
         for _ in (bar := tqdm(range(args.steps), desc="training")):

@@ -26,6 +26,8 @@ refused, since two threads' calls could not be ordered alike on every rank.
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -76,8 +78,25 @@ def init(device: torch.device | str | None = None) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        _check_launched()
         dist.init_process_group(backend_for(device))
     return device
+
+
+#: What torchrun sets for every rank, and ``init_process_group``'s ``env://`` reads.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _check_launched() -> None:
+    """Started without torchrun, a script gets torch's bare "environment variable RANK
+    expected"; say what is missing and the command that starts it."""
+    missing = [name for name in LAUNCH_VARIABLES if name not in os.environ]
+    if missing:
+        command = shlex.join(["torchrun", "--standalone", "--nproc-per-node=2", *sys.argv])
+        unset = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+        raise RuntimeError(f"fpipe.distributed.init joins the process group that torchrun "
+                           f"starts, but {unset}: launch the script with torchrun, one process "
+                           f"per rank, e.g.\n    {command}")
 
 
 def my_stages(schedule: Any, n_stages: int, rank: int | None = None, *, group: Any = None,

@@ -8,7 +8,7 @@ results back into the caller's pytrees.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -80,8 +80,8 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
             (``torch.utils.checkpoint``, Hugging Face gradient checkpointing, functions made
             by ``torch.compile``, which it runs compiled) and, without ``grad_dtype``, sums
             each stage's gradients over micro-batches inside autograd, as ``loss.backward()``
-            accumulates into ``.grad``; or ``"func"``, with ``torch.func``'s vjp, the default
-            of fpipe 0.1: the same gradients (``tests/test_pipeline.py`` compares them), a
+            accumulates into ``.grad``; or ``"func"`` (an option, not the default), with
+            ``torch.func``'s vjp: the same gradients (``tests/test_pipeline.py`` compares them), a
             few microseconds less of driver time per action on tiny stages
             (``benchmarks/dispatch_overhead.py``), but saved-tensor hooks
             (``torch.utils.checkpoint``) fail under it and a compiled function it meets runs
@@ -135,6 +135,12 @@ class Pipeline:
                  state: Sequence[Any] | None = None, nonfinite: str = "raise",
                  grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
                  ties: Iterable | None = None) -> None:
+        if isinstance(params, Mapping):
+            raise TypeError(
+                f"params is a {type(params).__name__}: fpipe.pipeline takes a list with one "
+                f"parameter pytree per stage, e.g. [{{'w': w0}}, {{'w': w1}}] for two stages "
+                f"(a dict {{stage: pytree}}, fpipe.distributed's form, becomes "
+                f"[params[s] for s in sorted(params)])")
         stages, params = list(stages), list(params)
         if not stages:
             raise ValueError("a pipeline needs at least one stage; got an empty list of stages")

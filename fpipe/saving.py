@@ -62,7 +62,8 @@ def _dcp(process_group: Any = None) -> Any:
             and importlib.util.find_spec("numpy") is None):
         raise ImportError("fpipe.saving on several ranks needs numpy: torch.distributed."
                           "checkpoint exchanges its plans with torch's object collectives, "
-                          "which use it; pip install numpy (or 'fpipe[saving]')")
+                          "which use it; pip install numpy (or, in fpipe's clone, "
+                          "pip install -e '.[saving]')")
     import torch.distributed.checkpoint as dcp
 
     if dist.is_available() and dist.is_initialized():

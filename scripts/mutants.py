@@ -230,6 +230,19 @@ MUTANTS = (
     Mutant("the target's size not told to the other ranks", "_runtime/rank_driver.py",
            "header[5] = _size(target, \"target\", errors) + 1", "header[5] = 0",
            ("tests/test_faces.py",)),
+    # -- a newcomer's first mistakes, each told what to do (issue 27) -------------------------
+    Mutant("an uncalled schedule constructor not told to be called", "schedules/actions.py",
+           'if hasattr(program, "program") and not isinstance(program, Program):', "if False:",
+           ("tests/test_messages.py",)),
+    Mutant("params given as a dict read as a list of its keys", "pipeline.py",
+           "        if isinstance(params, Mapping):\n", "        if False:\n",
+           ("tests/test_messages.py",)),
+    Mutant("no note on stages of different dtypes", "_runtime/instructions.py",
+           "if not given or not held or given & held:", "if True:",
+           ("tests/test_messages.py",)),
+    Mutant("a distributed script without torchrun left to torch's error", "distributed.py",
+           "    if missing:\n        command", "    if False:\n        command",
+           ("tests/test_messages.py",)),
 )
 
 

@@ -16,6 +16,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import patience
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,12 +34,13 @@ from fpipe.stages import skippable
 def spawn(scenario: str, world: int, timeout: float = 60.0, backend: str = "gloo",
           bind_device: bool = False) -> tuple[list, list[int]]:
     """Run ``scenario`` on ``world`` ranks; returns each rank's result (None if it sent none)
-    and exit code. Every child is reaped, killed if it outlives ``timeout``.
+    and exit code. Every child is reaped, killed if it outlives ``timeout`` seconds of the
+    load-scaled clock (tests/patience.py: healthy ranks on a busy machine are not killed).
 
     With ``backend="nccl"`` rank ``r`` uses ``cuda:r``; ``bind_device`` passes it as
     ``device_id`` too, which makes NCCL create communicators eagerly."""
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+                          timeout=timedelta(seconds=patience.limit(timeout)))
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     ranks = [context.Process(target=_main, args=(scenario, rank, world, store.port, queue,
@@ -46,9 +48,7 @@ def spawn(scenario: str, world: int, timeout: float = 60.0, backend: str = "gloo
                              daemon=True) for rank in range(world)]
     for process in ranks:
         process.start()
-    deadline = time.monotonic() + timeout
-    for process in ranks:
-        process.join(max(deadline - time.monotonic(), 0.1))
+    patience.join(ranks, timeout)
     for process in ranks:
         if process.is_alive():
             process.kill()
@@ -67,7 +67,7 @@ def _main(scenario: str, rank: int, world: int, port: int, queue, backend: str,
     # machine); do it before the clock of any timeout starts.
     torch.func.vjp(torch.sin, torch.ones(1))[1](torch.ones(1))
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
-                          timeout=timedelta(seconds=30))
+                          timeout=timedelta(seconds=patience.limit(30)))
     options = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import patience
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -23,8 +23,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     pytest.param("cpu_scaling.py", marks=pytest.mark.needs_extra)])
 def test_quick_mode_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
-    run = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],
-                         timeout=300, capture_output=True, text=True, cwd=BENCHMARKS)
+    run = patience.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],
+                       300, capture_output=True, text=True, cwd=BENCHMARKS)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["rows"] and result["machine"]["torch"]
@@ -69,3 +69,37 @@ def test_a_failing_rank_stops_the_others_at_once(how, monkeypatch):
     with pytest.raises(RankFailed, match=f"rank 1 of 2 failed(.|\n)*{said}"):
         spawn_ranks(_fail_on_rank_1, 2, how, timeout=300, strict=True)
     assert time.monotonic() - start < 60
+
+
+def _abort_in_teardown(rank, world):
+    """Sends its result, then would abort in the interpreter's teardown, as a gloo worker
+    thread still releasing a collective's tensors then does (rc -6, "terminate called without
+    an active exception")."""
+    import atexit
+
+    atexit.register(os.abort)
+    return {"rank": rank}
+
+
+def test_a_rank_that_sent_its_result_ends_without_the_teardown(monkeypatch):
+    """A rank's work is done once its result is sent: it exits at once, so nothing that the
+    interpreter's teardown could trip over aborts it; and in a strict run a rank that sent its
+    result but then exited badly is reported, not passed over."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import spawn_ranks
+
+    assert spawn_ranks(_abort_in_teardown, 2, timeout=300, strict=True) == [
+        {"rank": 0}, {"rank": 1}]
+
+
+def test_spawned_ranks_are_timed_on_the_machines_fair_share(monkeypatch):
+    """On a machine loaded 4 times over, a second of the ranks' clock takes 4 wall seconds,
+    so a quick run's limit does not kill healthy ranks that merely wait for a core."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import common
+
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (8.0, 8.0, 8.0))
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 2)
+    clock = common.LoadClock()
+    clock.last -= 4.0  # four wall-clock seconds ago
+    assert 0.99 <= clock.now() <= 1.1

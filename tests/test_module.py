@@ -303,12 +303,12 @@ def test_constructor_arguments_as_torchgpipe_takes_them():
         fpipe.GPipe(model(), [5]).to(0)  # before torch would look for CUDA
 
 
-def test_the_readme_torchgpipe_section_runs():
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = re.search(r"\n## The torchgpipe face.*?\n(.*?)\n## ", text, re.S).group(1)
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+def test_the_documented_torchgpipe_face_runs():
+    page = "docs/gpipe-face.md"  # the torchgpipe face in detail (README's section until issue 27)
+    text = (Path(__file__).resolve().parent.parent / page).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert blocks
     namespace: dict = {}
     for code in blocks:
-        exec(compile(code, "README.md", "exec"), namespace)
+        exec(compile(code, page, "exec"), namespace)
     assert all(p.grad is not None for p in namespace["model"].parameters())

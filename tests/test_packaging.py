@@ -3,13 +3,14 @@ licence and one version."""
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import patience
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+DISTRIBUTION = "torch-fpipe"  # what pip installs; the import name stays fpipe
 
 
 def test_import_needs_only_torch_and_optree():
@@ -19,7 +20,7 @@ def test_import_needs_only_torch_and_optree():
             "    sys.modules[name] = None\n"
             "import fpipe, fpipe.amp, fpipe.optim, fpipe.saving, fpipe.stages, "
             "fpipe.distributed\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+    patience.run([sys.executable, "-c", code], 120, check=True, cwd=ROOT)
 
 
 def test_typed_package_and_extras():
@@ -49,7 +50,7 @@ def test_one_version_the_package_and_its_metadata_agree():
     assert re.fullmatch(r"\d+\.\d+\.\d+(\w+\d*)?", fpipe.__version__)
     # Where this checkout is the installed one (CI's `pip install -e .`), its metadata agrees.
     try:
-        dist = metadata.distribution("fpipe")
+        dist = metadata.distribution(DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return
     if Path(fpipe.__file__).resolve().parent == ROOT / "fpipe" and _installed_from(dist) == ROOT:
@@ -73,3 +74,18 @@ def test_license_file_matches_the_metadata():
                    "Redistributions in binary form must reproduce",
                    "Neither the name of the copyright holder nor the names of its"):
         assert clause in text
+
+
+def test_the_distribution_name_is_ours_and_no_text_says_pip_install_fpipe():
+    """PyPI's ``fpipe`` is another project (``pip install 'fpipe[hf]'`` installs it and warns
+    that it has no ``hf`` extra), so fpipe is distributed as ``torch-fpipe`` and imported as
+    ``fpipe``; no page, example, docstring or message may tell anyone to install ``fpipe``."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DISTRIBUTION
+    wrong = re.compile(r"""install\s+(-\S+\s+)*['"]?fpipe\b""")
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").rglob("*.py"),
+             *(ROOT / "fpipe").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) if wrong.search(line)]
+    assert not found, found

@@ -98,3 +98,30 @@ def test_tests_that_need_an_extra_are_marked():
             needing.add(path.name)
     assert not missing, f"mark these tests @pytest.mark.needs_extra: {missing}"
     assert {"test_hf.py", "test_render.py", "test_saving.py", "test_benchmarks.py"} <= needing
+
+
+README_LIMIT = 12 * 1024  # bytes: a front page that fits on a few screens (issue 27)
+
+
+def test_the_readme_is_a_front_page_and_the_site_holds_the_manual():
+    """README.md stays short: what fpipe is, the set-up with how long it takes, one example,
+    a map of the docs. What it held as a manual lives on the site, each fact on some page."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= README_LIMIT, f"README.md is {len(readme.encode())} bytes"
+    setup = re.search(r"\n## Set-up\n(.*?)\n## ", readme, re.S).group(1)
+    assert re.search(r"torch's\s+install\s+about\s+\w+", setup)
+    said = r"the tests\s+(take\s+)?(about|under|over)\s+\d+\s+minutes"
+    assert re.search(said, setup), "say how long the suite takes"
+    site = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
+    facts = [
+        "| What | Raised as |", "`fpipe.NonFiniteLossError` with `.microbatches`",  # Errors
+        'logging.getLogger("fpipe")', "3x the median",  # Logging
+        "torch._dynamo.maybe_mark_dynamic", "issue #128711",  # torch.compile
+        "makes a step reproducible", "profile_all_threads=True",  # random numbers, threads
+        "`pipe(x, *, params=None)`", "`pipe.vjp(x, *, params=None) -> (y, vjp_fn)`",  # API
+        "`from_sequential(module, balance, devices=None, *, stateful=True",
+        "What differs, on purpose:", "`state_reduce=\"broadcast\"`", "`amp.LossScaler`",
+        "Failed to initialize NumPy", "FPIPE_TEST_TIMEOUT_SCALE", "torch-fpipe",
+    ]
+    missing = [fact for fact in facts if fact not in site]
+    assert not missing, f"not on the documentation site: {missing}"

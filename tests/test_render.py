@@ -156,5 +156,6 @@ def test_draw_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ImportError, match=r"pip install 'fpipe\[plot\]'"):
+    said = r"pip install matplotlib \(or, in fpipe's clone, pip install -e '\.\[plot\]'\)"
+    with pytest.raises(ImportError, match=said):
         draw(gpipe(2).program(2), tmp_path / "chart.png")

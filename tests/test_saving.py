@@ -474,6 +474,7 @@ def test_several_ranks_without_numpy_is_told_what_to_install(tmp_path, monkeypat
     monkeypatch.setattr(saving.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(saving.importlib.util, "find_spec",
                         lambda name, *args: None if name == "numpy" else find_spec(name, *args))
-    with pytest.raises(ImportError, match=r"several ranks needs numpy.*'fpipe\[saving\]'"):
+    said = r"several ranks needs numpy.*pip install -e '\.\[saving\]'"
+    with pytest.raises(ImportError, match=said):
         saving.save(tmp_path / "ckpt", [{"w": torch.ones(2)}])
     assert not (tmp_path / "ckpt").exists()

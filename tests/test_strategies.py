@@ -1,9 +1,9 @@
 """The public hypothesis strategies: valid programs are valid, corruptions always rejected."""
 
-import subprocess
 import sys
 from pathlib import Path
 
+import patience
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,4 +100,4 @@ def test_fpipe_needs_no_hypothesis():
             "    assert 'pip install hypothesis' in str(error), error\n"
             "else:\n"
             "    raise AssertionError('imported without hypothesis')\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+    patience.run([sys.executable, "-c", code], 120, check=True, cwd=ROOT)

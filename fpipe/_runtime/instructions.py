@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
 from torch.autograd import profiler
 
 from fpipe._runtime.autodiff import StageCall
@@ -306,10 +307,12 @@ def _grad_counts(call: StageCall, inputs: tuple[Value, ...]) -> tuple[int, ...]:
 
 
 def located(exc: BaseException, kind: Kind | None, stage: int | None,
-             microbatch: int | None, x: Value | None) -> BaseException:
+             microbatch: int | None, x: Value | None, params: list | None = None
+             ) -> BaseException:
     """``exc`` with where it was raised: fpipe's own detections (:class:`StageError`) get it in
     their message and fields, a stage's own exception keeps its type and gets it attached
-    (:func:`fpipe.errors.where`) and noted, with the input a later stage received."""
+    (:func:`fpipe.errors.where`) and noted, with the input a later stage received and, where
+    the input's floating dtypes are none of the stage's parameters', what to do about it."""
     if isinstance(exc, UnseededDraws) or stage is None:
         return exc
     op = kind.name if kind is not None else "setup"
@@ -328,4 +331,23 @@ def located(exc: BaseException, kind: Kind | None, stage: int | None,
         locate(exc, Where(stage, microbatch, op))
         if received and hasattr(exc, "add_note"):
             exc.add_note(f"fpipe: {received}")
+        hint = dtype_hint(stage, x, params)
+        if hint and hasattr(exc, "add_note"):
+            exc.add_note(f"fpipe: {hint}")
     return exc
+
+
+def dtype_hint(stage: int, x: Value | None, params: list | None) -> str | None:
+    """Why a stage whose input and parameters differ in floating dtype may have failed, and
+    the remedies: fpipe hands values between stages as they are and casts nothing."""
+    def floating(leaves: list | None) -> set:
+        return {str(t.dtype).removeprefix("torch.") for t in leaves or ()
+                if isinstance(t, torch.Tensor) and t.is_floating_point()}
+
+    given, held = floating(None if x is None else x.leaves), floating(params)
+    if not given or not held or given & held:
+        return None
+    return (f"stage {stage}'s input is {'/'.join(sorted(given))} but its parameters are "
+            f"{'/'.join(sorted(held))}; fpipe hands tensors between stages as they are: cast "
+            f"the parameters alike (fpipe.amp.cast(params, dtype)), cast the input in the stage, "
+            f"or run the step under torch.autocast")

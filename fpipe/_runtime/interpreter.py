@@ -93,6 +93,18 @@ class Interpreter:
         except Aborted:
             return
         except BaseException as exc:
-            step.fail(located(exc, kind, stage, microbatch, job.received))
+            step.fail(located(exc, kind, stage, microbatch, job.received,
+                              _held(step.params, stage)))
             if not isinstance(exc, Exception):
                 raise
+
+
+def _held(params: Any, stage: int | None) -> list | None:
+    """``stage``'s parameter leaves in a step's ``params`` (a list per stage, or a rank's
+    ``{stage: leaves}``), for an error's notes; ``None`` where there are none."""
+    if stage is None:
+        return None
+    try:
+        return params[stage]
+    except (IndexError, KeyError, TypeError):
+        return None

@@ -194,6 +194,10 @@ def program_of(schedule: object, n_stages: int) -> Program:
         raise TypeError(f"schedule must be a schedule value such as gpipe(chunks=8), a Program, "
                         f"or a function n_stages -> Program, got {type(schedule).__name__}")
     program = make(n_stages)
+    if hasattr(program, "program") and not isinstance(program, Program):
+        raise TypeError(f"schedule={name} is a schedule's constructor, not a schedule: call it, "
+                        f"e.g. schedule={name}(chunks=8) (calling it with the stage count "
+                        f"gave {program!r})")
     if not isinstance(program, Program):
         raise TypeError(f"{name}({n_stages}) must return a Program for {n_stages} stages, "
                         f"got {program!r}")

@@ -5,7 +5,7 @@ program (``2F0``), and idle time as dots. A program is simulated first (default 
 to place its actions in time; a :class:`~fpipe.schedules.Simulation`, or a timeline recorded
 while running (per worker, a tuple of spans with ``action``, ``start`` and ``end``), is drawn as
 it is. :func:`draw` writes the same as a PNG, SVG or PDF file; it needs matplotlib
-(``pip install fpipe[plot]``), which nothing else in fpipe does.
+(``pip install matplotlib``, or the ``[plot]`` extra), which nothing else in fpipe does.
 
 :func:`listing` shows a program as written, per worker, with chosen actions marked; it is what
 :class:`~fpipe.schedules.ScheduleError` shows, since an invalid program cannot be simulated.
@@ -225,7 +225,7 @@ def draw(schedule: Program | Simulation | Timeline, path: str | os.PathLike[str]
     under the other (at most 16), each short enough that an action of typical length has room
     for its label; a bar too narrow for its label (a tiny action of a measured step) goes
     without it rather than with an unreadable one. Needs matplotlib: ``pip install
-    fpipe[plot]``.
+    matplotlib`` (the ``[plot]`` extra).
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -236,8 +236,8 @@ def draw(schedule: Program | Simulation | Timeline, path: str | os.PathLike[str]
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as error:
-        raise ImportError("draw() needs matplotlib: pip install 'fpipe[plot]' "
-                          "(or pip install matplotlib)") from error
+        raise ImportError("draw() needs matplotlib: pip install matplotlib (or, in fpipe's "
+                          "clone, pip install -e '.[plot]')") from error
     timeline = timeline_of(schedule, costs)
     plan = chart_plan(timeline)
     spans = [s for row in timeline for s in row]
