@@ -30,8 +30,8 @@ from fpipe._runtime.engine import (
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
 from fpipe._runtime.ties import TieSums
-from fpipe._runtime.values import param_leaves
 from fpipe._runtime.trees import tree_map
+from fpipe._runtime.values import param_leaves
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program, program_of
 from fpipe.timeline import Recorder

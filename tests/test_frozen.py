@@ -162,7 +162,7 @@ def test_gpipe_leaves_grad_none_for_frozen_and_unused_parameters_as_plain_pytorc
         assert (p.grad is None) == (q.grad is None), name
     optimizer.step()
     for (name, p), q in zip(piped.named_parameters(), expected.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg=name)
 
 
 # -- torch.func transforms over a pipeline: the true result or an error, never zeros ----------

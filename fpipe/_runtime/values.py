@@ -16,8 +16,8 @@ import torch
 from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import StageError
 
-__all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "trainable", "check_output",
-           "describe"]
+__all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "trainable",
+           "check_output", "describe"]
 
 
 def differentiable(leaf: Any) -> bool:
