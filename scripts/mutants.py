@@ -156,8 +156,8 @@ MUTANTS = (
            "fitting = [t for t in trials if t.fits]", "fitting = list(trials)",
            ("tests/test_search.py",), quick=True),
     Mutant("list_schedule ignores the in-flight cap", "schedules/builder.py",
-           "choice = state.choose(w, free[w], rule, live[w] < caps[w], costs)",
-           "choice = state.choose(w, free[w], rule, True, costs)",
+           "        if action.op is not F:\n            return True\n        w, m =",
+           "        if True:\n            return True\n        w, m =",
            ("tests/test_built_schedules.py",), quick=True),
     Mutant("DualPipeV's main step without its first-stage backward", "schedules/dualpipe.py",
            "            self.add(second, F)\n            self.add(first, B)\n        for _ in "
