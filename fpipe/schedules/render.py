@@ -304,8 +304,9 @@ def chart_plan(timeline: Sequence[Sequence[Span]]) -> ChartPlan:
     """Panels as few as can be such that an action of the shortest op's median length has
     room for the longest label (the median over all actions would be a backward's when there
     are as many of them as forwards, leaving every forward unlabelled), each covering an
-    equal stretch of time; but no more than one per 12 actions of the busiest worker (a measured step's few long actions would otherwise spread its many short
-    ones over empty panels), and at most 16."""
+    equal stretch of time; but no more than one per 12 actions of the busiest worker (a
+    measured step's few long actions would otherwise spread its many short ones over empty
+    panels), and at most 16."""
     spans = [s for row in timeline for s in row]
     stages_on = [{s.action.stage for s in row} for row in timeline]
     labels = {id(span): (f"{span.action.microbatch}" if len(stages_on[worker]) == 1
