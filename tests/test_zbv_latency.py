@@ -63,6 +63,11 @@ def test_the_hand_written_v_and_the_filled_orders_are_valid(K, chunks):
             assert max(simulate(filled).peak_activations) <= 2 * K
 
 
-def test_costs_must_be_costs():
+def test_costs_must_be_costs_and_remat_still_applies():
     with pytest.raises(TypeError, match="Costs value"):
         zero_bubble_v(8, costs={"latency": 0.1})
+    costs = costs_with(0.25)
+    program = validate(zero_bubble_v(8, "always", costs=costs).program(4))
+    assert sum(a.op.value == "R" for w in program.workers for a in w) == 4 * 8
+    with pytest.raises(ValueError, match=r"\dR\d is neither F, I nor W"):
+        fill_weight_gradients(program, costs, cap=4)

@@ -83,8 +83,13 @@ def fill_weight_gradients(program: Program, costs: Costs, cap: int,
     ``1 - slack`` of its cost, which pays when latency is short. The result records an
     execution, so it is valid whenever ``program`` is.
     """
-    costs = costs.for_stages(program.n_stages)
     present = frozenset(a for actions in program.workers for a in actions)
+    other = next((a for actions in program.workers for a in actions
+                  if a.op not in (F, I, W)), None)
+    if other is not None:
+        raise ValueError(f"fill_weight_gradients moves the W of a split backward; {other} is "
+                         f"neither F, I nor W (apply remat after it)")
+    costs = costs.for_stages(program.n_stages)
     state = _Fill(program, costs, present)
     while state.left:
         events = [e for w in range(program.n_workers)
