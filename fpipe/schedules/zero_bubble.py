@@ -9,6 +9,7 @@ what bounds how far the ``W`` actions can be deferred.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -129,6 +130,7 @@ class ZeroBubbleV:
         return apply_remat(program, self.remat)
 
 
+@functools.lru_cache(maxsize=64)
 def fastest_v(unit_order: Program, costs: Costs, n_stages: int) -> Program:
     """Of the V orders :class:`ZeroBubbleV` describes, the one with the least simulated
     makespan under ``costs`` (the first of those tied, so equal costs keep the unit order)."""
