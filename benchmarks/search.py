@@ -1,18 +1,23 @@
-"""The schedule ``choose_schedule`` picks, measured against the hand-picked shipped schedules.
+"""The schedule ``choose_schedule`` picks, checked against measurement: every candidate that
+fits the budget, predicted and measured, and where the two rankings differ.
 
     python benchmarks/search.py [--quick] [--json PATH] [--workers K] [--budget-mb MB]
+                                [--repeat N] [--top N]
 
 1. Calibrate: on the residual-block model of benchmarks/residual.py (K stages, one worker
-   thread each, one intra-op thread per worker), record steps of 1F1B and of ZB-H1 at each
-   chunk count tried, in rounds (one step of each in turn), and fit ``Costs.from_timeline``
-   (medians) to them (ZB-H1's steps give the split backward's halves, 1F1B's the full
-   backward), as whole-model costs (``Costs.as_model``), one per chunk count. Measure the
-   activation bytes with ``fpipe.timeline.stage_memory``.
+   thread each, one intra-op thread per worker), record steps of 1F1B, of 1F1B with every
+   forward recomputed and of ZB-H1 at each chunk count tried, in rounds (one step of each in
+   turn), and fit ``Costs.from_timeline`` (medians) to them, as whole-model costs
+   (``Costs.as_model``), one per chunk count. Every op the search prices is measured: the
+   full backward (1F1B), the recompute (1F1B with remat ``always``: without it the fit
+   would cost a recompute as a forward) and the split backward's halves (ZB-H1). Measure
+   the activation bytes with ``fpipe.timeline.stage_memory``.
 2. Choose: ``choose_schedule`` over K and 2K stages on K workers, every shipped family, the
    chunk counts calibrated and every remat policy, within ``--budget-mb`` per worker if given.
-3. Measure: the chosen program's step time beside every shipped family at 8 micro-batches
-   (the hand-picked schedules of cpu_scaling.py), rows interleaved (one step of each in turn,
-   ``--repeat`` rounds), median with min and max.
+3. Measure every candidate that fits (the ``--top`` predicted fastest, default all), rows
+   interleaved (one step of each in turn, ``--repeat`` rounds), median with min and max; rank
+   them by prediction and by measurement, and report the pairs the two rankings order
+   differently.
 """
 
 from __future__ import annotations
@@ -24,19 +29,7 @@ from common import parser, report
 from residual import Model, loss_fn, split, stage
 
 import fpipe
-from fpipe.schedules import (
-    Costs,
-    Memory,
-    choose_schedule,
-    dual_pipe_v,
-    gpipe,
-    interleaved_one_f_one_b,
-    interleaved_zero_bubble,
-    looped_bfs,
-    one_f_one_b,
-    zero_bubble,
-    zero_bubble_v,
-)
+from fpipe.schedules import Costs, Memory, Op, choose_schedule, one_f_one_b, zero_bubble
 from fpipe.timeline import stage_memory
 
 MB = 1e6
@@ -44,10 +37,13 @@ MB = 1e6
 
 def calibrate(params: list, x, target, k: int, chunk_counts: tuple[int, ...],
               steps: int) -> dict[int, Costs]:
-    """{M: whole-model costs of one micro-batch at M}, fitted (medians) to recorded 1F1B and
-    ZB-H1 steps on ``k`` stages. The steps are recorded in rounds, one of each (program, M)
-    in turn, so that a machine busier at one moment than another weighs on every M alike."""
-    runs = [(m, schedule) for m in chunk_counts for schedule in (one_f_one_b(m), zero_bubble(m))]
+    """{M: whole-model costs of one micro-batch at M}, fitted (medians) to recorded steps of
+    1F1B, 1F1B with remat ``always`` and ZB-H1 on ``k`` stages, so that the full backward, the
+    recompute and the split backward's halves are each measured. The steps are recorded in
+    rounds, one of each (program, M) in turn, so that a machine busier at one moment than
+    another weighs on every M alike."""
+    runs = [(m, schedule) for m in chunk_counts
+            for schedule in (one_f_one_b(m), one_f_one_b(m, "always"), zero_bubble(m))]
     pipes = [fpipe.pipeline([stage] * k, split(params, k), schedule=schedule, loss_fn=loss_fn)
              for _, schedule in runs]
     recorders = {m: fpipe.Recorder() for m in chunk_counts}
@@ -60,8 +56,45 @@ def calibrate(params: list, x, target, k: int, chunk_counts: tuple[int, ...],
     finally:
         for pipe in pipes:
             pipe.close()
+    for m, recorder in recorders.items():
+        ops = {s.action.op for step in recorder.steps for row in step for s in row}
+        missing = {Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT,
+                   Op.BACKWARD_WEIGHT} - ops
+        if missing:
+            raise RuntimeError(f"the calibration at {m} micro-batches recorded no "
+                               f"{sorted(op.value for op in missing)}")
     return {m: Costs.from_timeline(*recorder.steps, n_stages=k, statistic="median").as_model(k)
             for m, recorder in recorders.items()}
+
+
+def measure(programs: list, params: list, x, target, repeat: int) -> list[list[float]]:
+    """Each program's step times over ``repeat`` rounds, one step of each in turn."""
+    pipes = [fpipe.pipeline([stage] * p.n_stages, split(params, p.n_stages), schedule=p,
+                            loss_fn=loss_fn) for p in programs]
+    times: list[list[float]] = [[] for _ in programs]
+    try:
+        for pipe in pipes:
+            pipe.value_and_grad(x, target)  # warm-up
+        for _ in range(repeat):
+            for pipe, samples in zip(pipes, times):
+                begin = time.perf_counter()
+                pipe.value_and_grad(x, target)
+                samples.append(time.perf_counter() - begin)
+    finally:
+        for pipe in pipes:
+            pipe.close()
+    return [sorted(samples) for samples in times]
+
+
+def inversions(rows: list[dict]) -> list[tuple[str, str]]:
+    """The pairs (a, b) predicted a before b but measured b before a, with b's slowest step
+    faster than a's fastest: a disagreement the spread of the steps cannot explain."""
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if b["max_ms"] < a["min_ms"]:
+                out.append((a["program"], b["program"]))
+    return out
 
 
 def main() -> None:
@@ -69,6 +102,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="K (default 2)")
     p.add_argument("--budget-mb", type=float, help="memory per worker (default: no budget)")
     p.add_argument("--repeat", type=int, help="measured rounds (default 7; quick 3)")
+    p.add_argument("--top", type=int, help="measure the N predicted fastest fitting "
+                                           "candidates (default all; quick 6)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -76,6 +111,7 @@ def main() -> None:
     model = Model(8, 128, 256) if args.quick else Model(16, 512, 512)
     chunk_counts = (4, 8) if args.quick else (4, 8, 16)
     repeat = args.repeat or (3 if args.quick else 7)
+    top = args.top or (6 if args.quick else None)
     params = model.params()
     x, target = model.data()
 
@@ -89,57 +125,49 @@ def main() -> None:
     calibrated_s = time.perf_counter() - started
     print(choice.table(limit=12))
 
-    chosen = choice.best
-    hand = [("gpipe(8, never)", gpipe(8, "never"), k), ("one_f_one_b(8)", one_f_one_b(8), k),
-            ("zero_bubble(8)", zero_bubble(8), k),
-            ("interleaved_one_f_one_b(8, v=2)", interleaved_one_f_one_b(8, 2), 2 * k),
-            ("looped_bfs(8, v=2)", looped_bfs(8, 2), 2 * k),
-            ("interleaved_zero_bubble(8, v=2)", interleaved_zero_bubble(8, 2), 2 * k),
-            ("zero_bubble_v(8)", zero_bubble_v(8), 2 * k),
-            ("dual_pipe_v(8)", dual_pipe_v(8), 2 * k)]
-    label = f"chosen: {chosen.name}({chosen.chunks}, {chosen.remat})"
-    runs = [(label, chosen.program, chosen.program.n_stages)] + [
-        (name, schedule.program(n), n) for name, schedule, n in hand]
-    pipes = [fpipe.pipeline([stage] * n, split(params, n), schedule=program, loss_fn=loss_fn)
-             for _, program, n in runs]
-    times: list[list[float]] = [[] for _ in runs]
-    try:
-        for pipe in pipes:
-            pipe.value_and_grad(x, target)  # warm-up
-        for _ in range(repeat):  # interleaved: one step of each in turn
-            for pipe, samples in zip(pipes, times):
-                begin = time.perf_counter()
-                pipe.value_and_grad(x, target)
-                samples.append(time.perf_counter() - begin)
-    finally:
-        for pipe in pipes:
-            pipe.close()
-    rows = []
-    for (name, program, n), samples in zip(runs, times):
-        samples.sort()
-        trial = next((t for t in choice.trials if t.program == program), None)
-        rows.append({"program": name, "stages": n, "chunks": program.n_microbatches,
-                     "simulated_ms": None if trial is None else trial.makespan * 1e3,
-                     "median_ms": samples[len(samples) // 2] * 1e3,
-                     "min_ms": samples[0] * 1e3, "max_ms": samples[-1] * 1e3,
-                     "peak_MB": None if trial is None or trial.peak_bytes is None
-                     else trial.peak_bytes / MB})
-    best_hand = min(rows[1:], key=lambda r: r["median_ms"])
+    fitting, seen = [], set()
+    for trial in sorted((t for t in choice.trials if t.fits), key=lambda t: t.makespan):
+        if trial.program not in seen:  # remat policies that make the same program
+            seen.add(trial.program)
+            fitting.append(trial)
+    fitting = fitting[:top]
+    times = measure([t.program for t in fitting], params, x, target, repeat)
+    rows = [{"program": f"{t.name}({t.chunks}, {t.remat})", "stages": t.program.n_stages,
+             "chunks": t.chunks, "predicted_ms": t.makespan * 1e3,
+             "median_ms": s[len(s) // 2] * 1e3, "min_ms": s[0] * 1e3, "max_ms": s[-1] * 1e3,
+             "measured/predicted": s[len(s) // 2] / t.makespan,
+             "peak_MB": None if t.peak_bytes is None else t.peak_bytes / MB}
+            for t, s in zip(fitting, times)]
+    by_measure = sorted(range(len(rows)), key=lambda i: rows[i]["median_ms"])
+    for rank, i in enumerate(by_measure, 1):
+        rows[i]["measured_rank"] = rank
+    for rank, row in enumerate(rows, 1):
+        row["predicted_rank"] = rank
+    flips = inversions(rows)
+    ratio = [c.recompute / c.forward for c in costs.values()]
     notes = [f"model: {model.layers} blocks of width {model.width}, batch {model.batch}; "
              f"{k} workers; calibration and search took {calibrated_s:.1f} s; "
-             f"{len(choice.trials)} candidates simulated",
-             f"chosen/best hand-picked ({best_hand['program']}): "
-             f"{rows[0]['median_ms'] / best_hand['median_ms']:.3f}",
-             f"budget: {'none' if budget is None else f'{budget / MB:g} MB per worker'}; "
-             f"simulated_ms: under the costs fitted at that chunk count (- where none was)"]
-    report("choose_schedule's pick against the hand-picked shipped schedules",
-           ["program", "stages", "chunks", "simulated_ms", "median_ms", "min_ms", "max_ms",
-            "peak_MB"], rows, args.json, notes,
-           tables={"choose_schedule's table (best first)": [
-               {"schedule": t.name, "stages": t.program.n_stages if t.program else None,
-                "chunks": t.chunks, "remat": t.remat, "simulated_ms": t.makespan * 1e3,
-                "peak_MB": None if t.peak_bytes is None else t.peak_bytes / MB,
-                "fits": t.fits} for t in sorted(choice.trials, key=lambda t: t.makespan)]})
+             f"{len(choice.trials)} candidates simulated, {len(rows)} measured",
+             f"budget: {'none' if budget is None else f'{budget / MB:g} MB per worker'}",
+             "fitted recompute / forward at each chunk count: "
+             + ", ".join(f"{m}: {r:.2f}" for m, r in zip(costs, ratio)),
+             f"chosen: {rows[0]['program']}, predicted {rows[0]['predicted_ms']:.1f} ms, "
+             f"measured {rows[0]['median_ms']:.1f} ms (measured rank "
+             f"{rows[0]['measured_rank']})"]
+    if len(rows) > 1:
+        notes.append(f"runner-up: {rows[1]['program']}, predicted "
+                     f"{rows[1]['predicted_ms']:.1f} ms, measured {rows[1]['median_ms']:.1f} ms "
+                     f"(measured rank {rows[1]['measured_rank']})")
+    notes.append(f"measured fastest: {rows[by_measure[0]]['program']} (predicted rank "
+                 f"{by_measure[0] + 1}), {rows[by_measure[0]]['median_ms']:.1f} ms")
+    notes.append(f"rankings disagree beyond the spread on {len(flips)} of "
+                 f"{len(rows) * (len(rows) - 1) // 2} pairs"
+                 + (": " + "; ".join(f"{a} predicted before {b}" for a, b in flips[:8])
+                    if flips else ""))
+    report("choose_schedule's candidates that fit: predicted against measured",
+           ["predicted_rank", "measured_rank", "program", "stages", "chunks", "predicted_ms",
+            "median_ms", "min_ms", "max_ms", "measured/predicted", "peak_MB"],
+           rows, args.json, notes)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ def test_action_print_parse_roundtrip(action):
     assert hash(Action.parse(str(action))) == hash(action)
 
 
+def test_op_shortcuts_are_exported():
+    import fpipe.schedules as schedules
+
+    shortcuts = {name: getattr(schedules, name) for name in "FRBIW"}
+    assert shortcuts == {op.value: op for op in Op}
+    assert set("FRBIW") <= set(schedules.__all__)
+    assert str(Action(2, shortcuts["I"], 3)) == "2I3"
+
+
 def test_action_spelling():
     assert str(Action(2, Op.FORWARD, 0)) == "2F0"
     assert Action.parse(" 12W3 ") == Action(12, Op.BACKWARD_WEIGHT, 3)

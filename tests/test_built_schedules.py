@@ -1,6 +1,8 @@
 """The list-scheduling builder, interleaved zero bubble and DualPipeV: valid over many sizes,
 held to their sources' shapes and claims, and exact against the whole batch."""
 
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -54,13 +56,22 @@ def placements(draw):
        st.sampled_from([0.0, 0.5]))
 def test_the_builder_is_valid_whatever_the_rule_and_cap(placement, chunks, cap, split, rule,
                                                         transfer):
-    """A cap of 1 on a worker holding two stages of one micro-batch stalls; the stalled
-    forward passes the cap, and nothing hangs."""
+    """The cap is hard, whatever the transfer time: no worker ever holds more live pairs
+    than its cap (simulated at the costs the builder used), and nothing hangs; a cap below
+    the stages a micro-batch holds on one worker is refused."""
     import fpipe.schedules as schedules
 
-    program = list_schedule(len(placement), chunks, placement, in_flight=cap,
-                            split_backward=split, rule=getattr(schedules, rule),
-                            costs=Costs(transfer=transfer))
+    costs = Costs(transfer=transfer)
+    build = partial(list_schedule, len(placement), chunks, placement, in_flight=cap,
+                    split_backward=split, rule=getattr(schedules, rule), costs=costs)
+    most = max(placement.count(w) for w in placement)
+    if cap is not None and cap < most:
+        with pytest.raises(ValueError, match=f"in_flight cap {cap} of worker .* less than"):
+            build()
+        return
+    program = build()
+    if cap is not None:
+        assert max(simulate(program, costs).peak_activations) <= cap
     validate(program)
     assert run_by_hand(program) is None
     assert program.placement == tuple(placement)
@@ -85,6 +96,18 @@ def test_the_builder_refuses_bad_arguments():
         list_schedule(2, 2, [0, 1], in_flight=0)
     with pytest.raises(StageCountError):
         ListScheduled(2, placement=lambda s, n: s).program(0)
+    with pytest.raises(ValueError, match=r"cap 1 of worker 0 .* 2 stages .* \(\[0, 3\]\)"):
+        list_schedule(4, 2, [0, 1, 1, 0], in_flight=1)
+
+
+@pytest.mark.parametrize("K, chunks, latency", [(4, 16, 0.25), (3, 9, 1.0), (4, 8, 0.1)])
+def test_the_cap_holds_under_hand_off_latency(K, chunks, latency):
+    """A V capped at 2K pairs never holds 2K+1 when hand-offs take time."""
+    costs = Costs(forward=1, backward=2, latency=latency)
+    schedule = ListScheduled(chunks, v_placement, in_flight=lambda w, k: 2 * k,
+                             split_backward=True, costs=costs)
+    program = validate(schedule.program(2 * K))
+    assert max(simulate(program, costs).peak_activations) <= 2 * K
 
 
 def v_placement(stage, n_stages):

@@ -1,5 +1,6 @@
 """CSV in torch.distributed.pipelining's layout: round trips, both spellings, torch's extras."""
 
+import io
 import re
 
 import pytest
@@ -7,7 +8,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from schedule_strategies import programs
 
-from fpipe.schedules import Action, Op, Program, from_csv, to_csv, validate
+from fpipe.schedules import (
+    Action,
+    Op,
+    Program,
+    from_csv,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    to_csv,
+    validate,
+    zero_bubble,
+    zero_bubble_v,
+)
 
 actions = st.builds(Action, st.integers(0, 20), st.sampled_from(Op), st.integers(0, 30))
 
@@ -96,7 +109,57 @@ def test_files(tmp_path):
     ("0F0,0I0", "old", r"'0I0' at row 1 \(worker 0\), cell 2 is not in the old spelling"),
     ("0F0,0BW0", "new", "'0BW0' at row 1 .* is not in the new spelling"),
     ("0F0", "newest", "spelling must be one of 'auto', 'new', 'old'"),
+    # one mistyped index among two micro-batches: named, not "0F2 is missing"
+    ("0F0,0F1,0B1,0B0\n1F0,1F2,1B1,1B0", "auto",
+     r"'1F2' at row 2 \(worker 1\), cell 2 is out of range: micro-batches are numbered 0 to 1"),
 ])
 def test_errors_name_row_and_cell(text, spelling, message):
     with pytest.raises(ValueError, match=message):
         from_csv(text, spelling=spelling)
+
+
+def test_indices_beyond_given_counts_are_named():
+    with pytest.raises(ValueError, match=r"'0B3' at row 1 .* out of range: .* 0 to 2 "
+                                         r"\(n_microbatches=3\)"):
+        from_csv("0F0,0B3", n_microbatches=3)
+    with pytest.raises(ValueError, match=r"'2F0' at row 2 .* stages are numbered 0 to 1"):
+        from_csv("0F0\n2F0", n_stages=2)
+    with pytest.raises(ValueError, match="n_microbatches must be a positive integer"):
+        from_csv("0F0", n_microbatches=0)
+
+
+def torch_lowered_csv(program):
+    """``program`` lowered by torch's own passes (FSDP unshard/reshard, the gradient
+    reduction, sends and receives: what ``_PipelineScheduleRuntime`` runs and its
+    ``_dump_csv`` writes), written row by row as ``_dump_csv`` writes it."""
+    import csv as csv_module
+
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _add_reduce_grad,
+        _add_send_recv,
+        _add_unshard_reshard,
+    )
+
+    placement = program.placement
+    lowered = {rank: _add_reduce_grad(_add_unshard_reshard(
+        [_Action.from_str(str(a)) for a in actions]), program.n_microbatches)
+        for rank, actions in enumerate(program.workers)}
+    lowered = _add_send_recv(lowered, stage_to_rank=lambda s: placement[s],
+                             num_stages=program.n_stages)
+    buffer = io.StringIO()
+    writer = csv_module.writer(buffer)
+    for rank in lowered:
+        writer.writerow(lowered[rank])
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("schedule, n_stages", [
+    (gpipe(4, "never"), 3), (one_f_one_b(4), 3), (zero_bubble(5), 2), (zero_bubble_v(4), 4),
+    (interleaved_one_f_one_b(4, 2), 4)])
+def test_what_torch_writes_after_lowering_reads_back(schedule, n_stages):
+    program = schedule.program(n_stages)
+    text = torch_lowered_csv(program)
+    assert "REDUCE_GRAD" in text and "SEND_F" in text and "RECV_B" in text
+    assert "UNSHARD" in text and "RESHARD" in text
+    assert from_csv(text, spelling="new") == program

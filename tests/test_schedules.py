@@ -22,6 +22,7 @@ from fpipe.schedules import (
     normalize_remat,
     one_f_one_b,
     validate,
+    zero_bubble_v,
 )
 from fpipe.schedules.remat import recomputed
 
@@ -190,6 +191,27 @@ def test_colocated_programs_stay_valid(n_stages, chunks, data, make, remat):
         for actions in merged.workers:
             ops = [a.op for a in actions]
             assert Op.FORWARD not in ops[ops.index(Op.FORWARD) + ops.count(Op.FORWARD):]
+
+
+def test_colocate_takes_a_schedule_value_and_the_pipeline_runs_it():
+    """The OversubscriptionWarning's advice, as written: colocate a schedule value."""
+    import torch
+    from models import TIGHT, assert_trees_close, block, mlp_params, mse, whole_batch
+
+    import fpipe
+
+    merged = colocate(one_f_one_b(chunks=4), [0, 0, 1, 1])
+    assert merged == colocate(one_f_one_b(chunks=4).program(4), [0, 0, 1, 1])
+    assert merged.placement == (0, 0, 1, 1)
+    params = mlp_params(4, width=4)
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch([block] * 4, params, x, target, mse)
+    with fpipe.pipeline([block] * 4, params, schedule=merged, loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert_trees_close(grads, expected_grads)
+    with pytest.raises(ValueError, match="even number of stages"):
+        colocate(zero_bubble_v(4), [0, 0, 1])
 
 
 def test_colocate_refuses_bad_worker_lists():

@@ -117,3 +117,18 @@ def test_candidates_of_any_form_and_errors_are_rows():
     choice = choose_schedule(2, Costs(), chunks=(1,), families={}, candidates=[broken, hand])
     assert "backward-after-forward" in choice.trials[0].error
     assert choice.best.program is hand
+
+
+def test_a_schedule_built_from_costs_is_built_from_the_costs_it_is_tried_under():
+    """ZB-V in the search is the order fastest under each candidate's costs, not the
+    unit-step one that hand-off latency hurts."""
+    from fpipe.schedules import zero_bubble_v
+
+    batch = Costs(forward=16, backward=32, latency=0.5)
+    choice = choose_schedule(8, batch, n_workers=4, chunks=(16,), remat=("never",),
+                             families={"zero_bubble_v": FAMILIES["zero_bubble_v"]})
+    (trial,) = choice.trials
+    per_mb = batch.scaled(1 / 16)
+    assert trial.schedule == zero_bubble_v(16, costs=per_mb)
+    unit = simulate(zero_bubble_v(16).program(8), per_mb).makespan
+    assert trial.makespan == simulate(trial.program, per_mb).makespan < unit

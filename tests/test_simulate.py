@@ -78,6 +78,16 @@ def test_actions_start_as_soon_as_they_can():
     assert sim.bubble == pytest.approx(1 - 12 / 20)
 
 
+def test_a_per_stage_transfer_is_charged_at_the_sender():
+    """Stage s's result (its activation forward, its input gradient backward) takes
+    ``transfer[s]`` to reach the next worker, whichever way it travels."""
+    program = gpipe(1, "never").program(3)
+    sim = simulate(program, Costs(forward=1, backward=2, transfer=(0.5, 2.0, 7.0)))
+    spans = {str(s.action): (s.start, s.end) for row in sim.timeline for s in row}
+    assert spans == {"0F0": (0, 1), "1F0": (1.5, 2.5), "2F0": (4.5, 5.5), "2B0": (5.5, 7.5),
+                     "1B0": (14.5, 16.5), "0B0": (18.5, 20.5)}
+
+
 def test_split_backward_costs_and_live_until_weight_gradient():
     program = Program([["0F0", "0F1", "0I0", "0I1", "0W0", "0W1"]], 1, 2)
     sim = simulate(program, Costs(backward_input=2, backward_weight=3))

@@ -204,6 +204,12 @@ def test_inference_programs():
     assert rule_of(program.forward_only()).rule == "exactly-once"
 
 
+@pytest.mark.parametrize("extra", ["0R0", "0B0", "0I0", "0W0"])
+def test_an_inference_program_holds_nothing_but_forwards(extra):
+    error = rule_of(Program([["0F0", extra]], 1, 1), training=False)
+    assert (error.rule, str(error.action), error.worker) == ("forward-only", extra, 0)
+
+
 def test_validation_handles_large_programs():
     """A program of over 40,000 actions validates (how fast is the benchmarks' business: a
     wall-clock bound here would fail on a loaded machine, not on slow code)."""

@@ -10,7 +10,7 @@ Hypothesis strategies for testing schedules are in :mod:`fpipe.schedules.strateg
 imported here).
 """
 
-from fpipe.schedules.actions import Action, Op, Program, placement_of, program_of
+from fpipe.schedules.actions import Action, B, F, I, Op, Program, R, W, placement_of, program_of
 from fpipe.schedules.builder import ListScheduled, backward_first, forward_first, list_schedule
 from fpipe.schedules.colocate import colocate
 from fpipe.schedules.csv_format import from_csv, to_csv
@@ -44,5 +44,5 @@ __all__ = [
     "Memory", "peak_bytes", "check_memory", "choose_schedule", "Choice", "Trial", "FAMILIES",
     "StageCountError", "list_schedule", "ListScheduled", "backward_first", "forward_first",
     "dual_pipe_v", "DualPipeV", "interleaved_zero_bubble", "InterleavedZeroBubble",
-    "placement_of",
+    "placement_of", "F", "R", "B", "I", "W",
 ]

@@ -32,7 +32,16 @@ class Op(enum.Enum):
         return f"Op.{self.name}"
 
 
-F, R, B, I, W = Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+#: :attr:`Op.FORWARD`, for short: ``Action(0, F, 3)``, ``a.op is F``.
+F = Op.FORWARD
+#: :attr:`Op.RECOMPUTE`, for short.
+R = Op.RECOMPUTE
+#: :attr:`Op.BACKWARD`, for short.
+B = Op.BACKWARD
+#: :attr:`Op.BACKWARD_INPUT`, for short.
+I = Op.BACKWARD_INPUT  # noqa: E741 (the op's letter, as torch spells it)
+#: :attr:`Op.BACKWARD_WEIGHT`, for short.
+W = Op.BACKWARD_WEIGHT
 
 _ACTION_RE = re.compile(r"^\s*(\d+)([FRBIW])(\d+)\s*$")
 

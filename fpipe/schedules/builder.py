@@ -11,7 +11,6 @@ no cap can make it hang (see :func:`list_schedule`).
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,10 +57,13 @@ def list_schedule(n_stages: int, chunks: int, placement: Sequence[int], *,
     first-ranked action whose inputs have arrived (an action on another worker's stage counts
     from its end plus ``costs.carry``), or waits for the first to arrive.
 
-    Deadlock-free: the actions run form an execution, which is what validity means. If every
-    worker is blocked only by its cap, the oldest micro-batch's next forward is let past it,
-    so a cap too small for the placement (a V with cap 1) slows the program down but never
-    stops it.
+    The cap is hard: no worker ever holds more live pairs than its cap. A forward runs only
+    if, after it, the worker could still finish every micro-batch it holds, oldest first
+    (a banker's check: a V's worker keeps room for the way back up of the micro-batches it
+    sent down). What a micro-batch waits for is older and finishes first, so the oldest not
+    finished can always go on and nothing hangs, as long as each cap holds one
+    micro-batch's stages on its worker; a smaller cap is a ValueError. The actions run form
+    an execution, which is what validity means.
     """
     n_stages = stage_count(n_stages)
     positive_int("chunks", chunks)
@@ -69,26 +71,22 @@ def list_schedule(n_stages: int, chunks: int, placement: Sequence[int], *,
     caps = _caps(in_flight, workers)
     costs = (Costs() if costs is None else costs).for_stages(n_stages)
     ops = (F, I, W) if split_backward else (F, B)
-    state = _State(n_stages, chunks, tuple(placement), workers, ops)
+    state = _State(n_stages, chunks, tuple(placement), workers, ops, caps)
     free = [0.0] * workers
     order: list[list[Action]] = [[] for _ in range(workers)]
-    live = [0] * workers
     while state.left:
         events = []
         for w in range(workers):
-            choice = state.choose(w, free[w], rule, live[w] < caps[w], costs)
+            choice = state.choose(w, free[w], rule, costs)
             if choice is not None:
                 events.append((choice[0], w, choice[1]))
-        if not events:  # every worker held back by its cap alone: let the oldest through
-            stuck = state.oldest_forward()
-            w = placement[stuck.stage]
-            events.append((max(free[w], state.ready_time(stuck, costs)), w, stuck))
+        if not events:  # cannot happen (see the docstring): say so rather than loop
+            raise RuntimeError("list_schedule found no action to run; please report this")
         start, w, action = min(events, key=lambda e: (e[0], e[1]))
         end = start + costs.of(action.op, action.stage)
         state.done(action, end, w)
         free[w] = end
         order[w].append(action)
-        live[w] += 1 if action.op is F else -1 if action.op in (B, W) else 0
     return Program(order, n_stages, chunks)
 
 
@@ -96,12 +94,39 @@ class _State:
     """Which action each stage runs next, per op, and when each result is available."""
 
     def __init__(self, n_stages: int, chunks: int, placement: tuple[int, ...], workers: int,
-                 ops: tuple[Op, ...]) -> None:
+                 ops: tuple[Op, ...], caps: list[float]) -> None:
         self.n_stages, self.chunks, self.placement, self.ops = n_stages, chunks, placement, ops
         self.next = {(s, op): 0 for s in range(n_stages) for op in ops}
         self.ends: dict[Action, tuple[float, int]] = {}
         self.mine = [[s for s in range(n_stages) if placement[s] == w] for w in range(workers)]
         self.left = n_stages * chunks * len(ops)
+        self.caps = caps
+        #: Per worker, for each micro-batch it holds or has begun: [live pairs, forwards left].
+        self.holds: list[dict[int, list[int]]] = [{} for _ in range(workers)]
+        for w, (cap, stages) in enumerate(zip(caps, self.mine, strict=True)):
+            if cap < len(stages):
+                raise ValueError(
+                    f"in_flight cap {cap} of worker {w} is less than the {len(stages)} stages "
+                    f"a micro-batch holds alive there ({stages}): no micro-batch could pass")
+
+    def room(self, action: Action) -> bool:
+        """Whether ``action`` may run now: anything but a forward may; a forward may if, with
+        it run, the worker stays within its cap and can still finish what it holds, oldest
+        micro-batch first (each, once its forwards there are done, frees all it held)."""
+        if action.op is not F:
+            return True
+        w, m = self.placement[action.stage], action.microbatch
+        holds = self.holds[w]
+        live, left = holds.get(m, (0, len(self.mine[w])))
+        room = self.caps[w] - sum(h[0] for h in holds.values()) - 1
+        if room < 0:
+            return False
+        for mb in sorted({*holds, m}):
+            held, need = (live + 1, left - 1) if mb == m else holds[mb]
+            if need > room:
+                return False
+            room += held
+        return True
 
     def candidates(self, worker: int) -> list[Action]:
         """The next action of each op on each of ``worker``'s stages whose inputs exist."""
@@ -129,30 +154,30 @@ class _State:
                  for need in self.needs(action) for end, where in [self.ends[need]]]
         return max(times, default=0.0)
 
-    def choose(self, worker: int, free: float, rule: Rule, room: bool,
+    def choose(self, worker: int, free: float, rule: Rule,
                costs: Costs) -> tuple[float, Action] | None:
         """When ``worker`` starts its next action and which: the first-ranked of those ready
-        when it starts (forwards only with ``room``)."""
+        when it starts (forwards only with :meth:`room`)."""
         ready = [(self.ready_time(a, costs), a) for a in self.candidates(worker)
-                 if room or a.op is not F]
+                 if self.room(a)]
         if not ready:
             return None
         start = max(free, min(t for t, _ in ready))
         now = [a for t, a in ready if t <= start]
         return start, min(now, key=lambda a: (rule(a, worker), a.stage))
 
-    def oldest_forward(self) -> Action:
-        """The pending forward of the oldest micro-batch whose input exists."""
-        waiting = [Action(s, F, self.next[s, F]) for s in range(self.n_stages)
-                   if self.next[s, F] < self.chunks]
-        heapq.heapify(waiting := [(a.microbatch, a.stage, a) for a in waiting
-                                  if all(n in self.ends for n in self.needs(a))])
-        return waiting[0][2]
-
     def done(self, action: Action, end: float, worker: int) -> None:
         self.ends[action] = (end, worker)
         self.next[action.stage, action.op] += 1
         self.left -= 1
+        holds, m = self.holds[worker], action.microbatch
+        if action.op is F:
+            live, left = holds.get(m, (0, len(self.mine[worker])))
+            holds[m] = [live + 1, left - 1]
+        elif action.op is B or action.op is W:
+            holds[m][0] -= 1
+            if holds[m] == [0, 0]:
+                del holds[m]
 
 
 def _check_placement(placement: Sequence[int], n_stages: int) -> int:
@@ -181,7 +206,8 @@ def _caps(in_flight: int | Sequence[int] | None, workers: int) -> list[float]:
 @dataclass(frozen=True)
 class ListScheduled:
     """A schedule value built by :func:`list_schedule` for any stage count: ``placement``
-    maps (stage, n_stages) to a worker, ``in_flight`` maps (worker, n_workers) to its cap."""
+    maps (stage, n_stages) to a worker, ``in_flight`` maps (worker, n_workers) to its cap;
+    ``costs`` (default ``Costs()``) are those the list scheduling runs under."""
 
     chunks: int
     placement: Callable[[int, int], int]
@@ -189,9 +215,13 @@ class ListScheduled:
     in_flight: Callable[[int, int], int] | None = None
     split_backward: bool = False
     remat: RematPolicy = "never"
+    costs: Costs | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.costs is not None and not isinstance(self.costs, Costs):
+            raise TypeError(f"ListScheduled's costs must be a Costs value or None, got a "
+                            f"{type(self.costs).__name__}")
 
     def program(self, n_stages: int) -> Program:
         n_stages = stage_count(n_stages)
@@ -200,5 +230,5 @@ class ListScheduled:
         caps = (None if self.in_flight is None
                 else [self.in_flight(w, workers) for w in range(workers)])
         program = list_schedule(n_stages, self.chunks, where, rule=self.rule, in_flight=caps,
-                                split_backward=self.split_backward)
+                                split_backward=self.split_backward, costs=self.costs)
         return apply_remat(program, self.remat)

@@ -12,18 +12,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fpipe.schedules.actions import Action, B, I, Program, R
+from fpipe.schedules.actions import Action, B, I, Program, R, program_of
 from fpipe.schedules.remat import recomputed
 from fpipe.schedules.validate import execution_order, validate
 
 __all__ = ["colocate"]
 
 
-def colocate(program: Program, workers: Sequence[int]) -> Program:
-    """``program`` with stage ``s`` on worker ``workers[s]`` (workers numbered from 0, none
-    left empty), each worker running its stages' actions in one global order of ``program``.
+def colocate(schedule: object, workers: Sequence[int]) -> Program:
+    """``schedule``'s program with stage ``s`` on worker ``workers[s]`` (workers numbered
+    from 0, none left empty), each worker running its stages' actions in one global order of
+    that program.
+
+    ``schedule`` is a :class:`Program` or any schedule (a value such as
+    ``one_f_one_b(chunks=8)``, a function ``n_stages -> Program``), whose program is taken for
+    ``len(workers)`` stages; the result is a program, which ``fpipe.pipeline`` accepts as its
+    ``schedule``.
     """
     workers = list(workers)
+    program = (schedule if isinstance(schedule, Program)
+               else program_of(schedule, len(workers)))
     if len(workers) != program.n_stages:
         raise ValueError(f"got a worker for {len(workers)} stages but the program has "
                          f"{program.n_stages}")

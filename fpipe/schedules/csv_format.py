@@ -28,7 +28,7 @@ import os
 import re
 from pathlib import Path
 
-from fpipe.schedules.actions import Action, B, F, I, Program, R, W
+from fpipe.schedules.actions import Action, B, F, I, Program, R, W, positive_int
 
 __all__ = ["to_csv", "from_csv", "SPELLINGS"]
 
@@ -78,8 +78,11 @@ def from_csv(text_or_path: str | os.PathLike[str], n_stages: int | None = None,
     reads the old spelling when a ``BW`` appears, or a ``W`` with no ``I``, and the new one
     otherwise; a text holding both ``BW`` and ``I`` fits neither and is a ValueError.
 
-    Stage and micro-batch counts default to one more than the largest index mentioned. The
-    result is not validated: call :func:`fpipe.schedules.validate` to check it.
+    The stage count defaults to one more than the largest stage mentioned; the micro-batch
+    count to the most micro-batches any stage runs one op on, so that a mistyped index
+    (``3F8`` among eight micro-batches) is a ValueError naming it and its cell, as is any
+    index beyond counts that are given. The result is not validated otherwise: call
+    :func:`fpipe.schedules.validate` to check it.
     """
     if spelling not in SPELLINGS:
         raise ValueError(f"spelling must be one of {', '.join(map(repr, SPELLINGS))}, "
@@ -88,11 +91,39 @@ def from_csv(text_or_path: str | os.PathLike[str], n_stages: int | None = None,
     cells = [[_parse_cell(cell, r, c) for c, cell in enumerate(row)] for r, row in enumerate(rows)]
     ops = {op for row in cells for parsed in row for _, op, _, _ in parsed}
     meaning = _OLD if _spelling(spelling, ops, cells) == "old" else _NEW
+    every = [p for row in cells for parsed in row for p in parsed]
+    n_stages = (1 + max((p[0] for p in every), default=0) if n_stages is None
+                else positive_int("n_stages", n_stages))
+    why = (f"n_microbatches={n_microbatches}" if n_microbatches is not None
+           else "the most any stage runs of one op; pass n_microbatches= if there are more")
+    n_microbatches = (_microbatches(every) if n_microbatches is None
+                      else positive_int("n_microbatches", n_microbatches))
+    _check_range(every, n_stages, n_microbatches, why)
     workers = [
         [Action(stage, meaning[op], mb) for parsed in row for stage, op, mb, _ in parsed]
         for row in cells
     ]
-    return Program.from_actions(workers, n_stages, n_microbatches)
+    return Program(workers, n_stages, n_microbatches)
+
+
+def _microbatches(every: list[_Parsed]) -> int:
+    """The micro-batch count a CSV implies: the most micro-batches any stage runs one op on.
+    Not the largest index plus one, so that one mistyped index is reported as out of range
+    rather than as a whole micro-batch missing from every stage."""
+    seen: dict[tuple[int, str], set[int]] = {}
+    for stage, op, mb, _ in every:
+        seen.setdefault((stage, op), set()).add(mb)
+    return max((len(mbs) for mbs in seen.values()), default=1)
+
+
+def _check_range(every: list[_Parsed], n_stages: int, n_microbatches: int, why: str) -> None:
+    for stage, _, mb, where in every:
+        if mb >= n_microbatches:
+            raise ValueError(f"{where} is out of range: micro-batches are numbered 0 to "
+                             f"{n_microbatches - 1} ({why})")
+        if stage >= n_stages:
+            raise ValueError(f"{where} is out of range: stages are numbered 0 to "
+                             f"{n_stages - 1} (n_stages={n_stages})")
 
 
 def _read(text_or_path: str | os.PathLike[str]) -> str:

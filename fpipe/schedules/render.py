@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -210,6 +211,8 @@ _COLORS = {
 _PANEL_POINTS = 720.0
 _FONT = 8.0
 _MAX_PANELS = 16
+#: A panel holds at least this many actions of the busiest worker.
+_ACTIONS_PER_PANEL = 12
 
 
 def draw(schedule: Program | Simulation | Timeline, path: str | os.PathLike[str],
@@ -298,10 +301,12 @@ class ChartPlan:
 
 
 def chart_plan(timeline: Sequence[Sequence[Span]]) -> ChartPlan:
-    """Panels as few as can be such that an action of median length has room for the longest
-    label, each covering an equal stretch of time; but no more than one per 24 actions of the
-    busiest worker (a measured step's few long actions would otherwise spread its many short
-    ones over empty panels), and at most 16."""
+    """Panels as few as can be such that an action of the shortest op's median length has
+    room for the longest label (the median over all actions would be a backward's when there
+    are as many of them as forwards, leaving every forward unlabelled), each covering an
+    equal stretch of time; but no more than one per 12 actions of the busiest worker (a
+    measured step's few long actions would otherwise spread its many short ones over empty
+    panels), and at most 16."""
     spans = [s for row in timeline for s in row]
     stages_on = [{s.action.stage for s in row} for row in timeline]
     labels = {id(span): (f"{span.action.microbatch}" if len(stages_on[worker]) == 1
@@ -310,13 +315,16 @@ def chart_plan(timeline: Sequence[Sequence[Span]]) -> ChartPlan:
     start = min((s.start for s in spans), default=0.0)
     end = max((s.end for s in spans), default=1.0)
     extent = max(end - start, 1e-12)
-    lengths = sorted(s.end - s.start for s in spans if s.end > s.start)
+    by_op: dict[Op, list[float]] = {}
+    for span in spans:
+        if span.end > span.start:
+            by_op.setdefault(span.action.op, []).append(span.end - span.start)
     count = 1
-    if lengths:
-        typical = lengths[len(lengths) // 2]
+    if by_op:
+        typical = min(statistics.median(lengths) for lengths in by_op.values())
         widest = max(_label_points(label) for label in labels.values())
         busiest = max(len(row) for row in timeline)
-        count = min(_MAX_PANELS, math.ceil(busiest / 24),
+        count = min(_MAX_PANELS, math.ceil(busiest / _ACTIONS_PER_PANEL),
                     max(1, math.ceil(extent * widest / (typical * _PANEL_POINTS))))
     step = extent / count
     return ChartPlan([(start + i * step, start + (i + 1) * step) for i in range(count)], labels)

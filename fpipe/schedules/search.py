@@ -9,6 +9,7 @@ the fastest program with the table of everything it tried, so the choice can be 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -149,6 +150,8 @@ def choose_schedule(
       way) and each worker's bytes; without them every candidate fits.
     - ``n_workers``: keep the candidates on this many workers (default: any).
     - ``families`` (default :data:`FAMILIES`), ``chunks`` and ``remat`` span the candidates;
+      a family's value that is built from costs (``zero_bubble_v``) is given the costs it is
+      tried under;
       ``candidates`` adds schedules of any form (a value, a ``Program``, a function
       ``n_stages -> Program``), each tried as it is, with the first stage count.
 
@@ -177,7 +180,8 @@ def choose_schedule(
                     continue
                 for name, family in families.items():
                     for policy in policies:
-                        schedule = family(m, policy, count, workers)
+                        schedule = with_costs(family(m, policy, count, workers),
+                                              per_chunks[m])
                         if schedule is not None:
                             trials.append(_trial(name, schedule, count, per_chunks[m], memory,
                                                  budget, m, policy))
@@ -195,6 +199,16 @@ def choose_schedule(
                          + (f"; the least memory is {least.peak_bytes:,} bytes ({least.name}, "
                             f"{least.chunks} chunks, remat {least.remat})" if least else ""))
     return Choice(best=min(fitting, key=_rank), trials=tuple(trials))
+
+
+def with_costs(schedule: object, costs: Costs) -> object:
+    """``schedule`` built from the costs it is tried under, if it is a value built from costs
+    and was given none (a ``costs`` field left None, as ``zero_bubble_v``'s)."""
+    if (dataclasses.is_dataclass(schedule) and not isinstance(schedule, type)
+            and any(f.name == "costs" for f in dataclasses.fields(schedule))
+            and schedule.costs is None):  # type: ignore[attr-defined]
+        return dataclasses.replace(schedule, costs=costs)  # type: ignore[arg-type]
+    return schedule
 
 
 def _scaled(costs: Costs | Mapping[int, Costs], chunks: int) -> Costs:

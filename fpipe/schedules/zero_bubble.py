@@ -9,6 +9,7 @@ what bounds how far the ``W`` actions can be deferred.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -21,7 +22,15 @@ from fpipe.schedules.actions import (
     stage_count,
     stage_count_error,
 )
+from fpipe.schedules.costs import Costs
 from fpipe.schedules.remat import RematPolicy, apply_remat, check_fields
+from fpipe.schedules.simulate import simulate
+from fpipe.schedules.v_shape import fill_weight_gradients, handcrafted_v
+
+#: The ``slack`` values :meth:`ZeroBubbleV.program` tries with costs (see
+#: :func:`~fpipe.schedules.v_shape.fill_weight_gradients`): a ``W`` only into a wait as long as
+#: itself, or also into shorter ones.
+SLACKS = (1.0, 0.5, 0.1)
 
 __all__ = ["ZeroBubble", "ZeroBubbleV", "zero_bubble", "zero_bubble_v"]
 
@@ -84,13 +93,24 @@ class ZeroBubbleV:
     the transfers of 1F1B, and an order tuned for equal F, I and W costs: with an ``I`` much
     dearer than F and W it can fall behind 1F1B (simulate with your costs; ``zero_bubble`` does
     not have that weakness).
+
+    Without ``costs`` the order is the unit-step one below, which packs forwards tightly: a
+    hand-off latency of a tenth of a forward leaves idle gaps mid step. With ``costs`` (a
+    :class:`~fpipe.schedules.Costs`, e.g. fitted to a recorded step), the program is the
+    fastest under them of: that order, the paper's hand-written V (which leaves room for the
+    next input in its steady state), and both with each ``W`` moved into the waits the costs
+    predict (:mod:`fpipe.schedules.v_shape`); every one holds at most 2K pairs per worker.
     """
 
     chunks: int
     remat: RematPolicy = "never"
+    costs: Costs | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.costs is not None and not isinstance(self.costs, Costs):
+            raise TypeError(f"zero_bubble_v's costs must be a Costs value or None, got a "
+                            f"{type(self.costs).__name__}")
 
     def program(self, n_stages: int) -> Program:
         """Each worker's order is the one it follows when all of them run in unit steps (F, I
@@ -105,7 +125,20 @@ class ZeroBubbleV:
                 f"and 2K-1-w), so it needs an even number of stages, got {n_stages}"
             )
         program = v_shape_order(self.chunks, n_stages // 2, cap=n_stages)
+        if self.costs is not None:
+            program = fastest_v(program, self.costs, n_stages)
         return apply_remat(program, self.remat)
+
+
+@functools.lru_cache(maxsize=64)
+def fastest_v(unit_order: Program, costs: Costs, n_stages: int) -> Program:
+    """Of the V orders :class:`ZeroBubbleV` describes, the one with the least simulated
+    makespan under ``costs`` (the first of those tied, so equal costs keep the unit order)."""
+    costs = costs.for_stages(n_stages)
+    bases = (unit_order, handcrafted_v(unit_order.n_microbatches, n_stages // 2))
+    candidates = [*bases, *(fill_weight_gradients(base, costs, cap=n_stages, slack=slack)
+                            for base in bases[::-1] for slack in SLACKS)]
+    return min(candidates, key=lambda program: simulate(program, costs).makespan)
 
 
 def v_shape_order(chunks: int, n_workers: int, cap: int) -> Program:
@@ -179,7 +212,8 @@ def zero_bubble(chunks: int, remat: object = "never") -> ZeroBubble:
     return ZeroBubble(chunks, remat)  # type: ignore[arg-type]
 
 
-def zero_bubble_v(chunks: int, remat: object = "never") -> ZeroBubbleV:
+def zero_bubble_v(chunks: int, remat: object = "never", costs: Costs | None = None) -> ZeroBubbleV:
     """ZB-V (2K stages on K workers in a V); ``remat`` is a policy accepted by
-    :func:`normalize_remat`."""
-    return ZeroBubbleV(chunks, remat)  # type: ignore[arg-type]
+    :func:`normalize_remat`; with ``costs``, the order fastest under them (see
+    :class:`ZeroBubbleV`)."""
+    return ZeroBubbleV(chunks, remat, costs)  # type: ignore[arg-type]
