@@ -104,7 +104,7 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
     which runs on the workers it names; ``pipe.program`` is the program that runs. A program
     with more workers than the process has CPU cores makes them take turns, which costs a
     thread wake-up per hand-off; building such a pipeline warns
-    (:class:`fpipe.OversubscriptionWarning`). ``fpipe.schedules.colocate(program, workers)``
+    (:class:`fpipe.OversubscriptionWarning`). ``fpipe.schedules.colocate(schedule, workers)``
     runs several stages on one worker, and each worker's ops use torch's intra-op threads too
     (``torch.set_num_threads``).
     """

@@ -41,7 +41,8 @@ def warn_if_oversubscribed(n_workers: int) -> None:
         f"this pipeline runs {n_workers} worker threads, but this process has {available} CPU "
         f"cores: the workers will take turns, and each value handed from one worker to the "
         f"next waits for a thread to be woken. Put several stages on one worker with "
-        f"fpipe.schedules.colocate(program, workers), or silence this with "
+        f"fpipe.schedules.colocate(schedule, workers) (e.g. colocate(one_f_one_b(chunks=8), "
+        f"[0, 0, 1, 1]): stage s on worker workers[s]), or silence this with "
         f"warnings.simplefilter('ignore', fpipe.OversubscriptionWarning)",
         OversubscriptionWarning, stacklevel=_outside_fpipe())
 
