@@ -534,9 +534,14 @@ def test_convert_deferred_batch_norm_where_torchgpipe_users_find_it():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 2, 1), nn.Sequential(nn.BatchNorm2d(2)))
-    ours = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(model), 4)
-    theirs = TgDeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(model), 4)
+    model[1][0].num_batches_tracked.fill_(3)
+    given = {"ours": copy.deepcopy(model), "theirs": copy.deepcopy(model)}
+    ours = DeferredBatchNorm.convert_deferred_batch_norm(given["ours"], 4)
+    theirs = TgDeferredBatchNorm.convert_deferred_batch_norm(given["theirs"], 4)
+    assert ours is given["ours"] and theirs is given["theirs"]  # both convert in place
     assert isinstance(ours[1][0], DeferredBatchNorm) and ours[1][0].chunks == 4
+    assert int(ours[1][0].num_batches_tracked) == int(theirs[1][0].num_batches_tracked) == 3
+    assert DeferredBatchNorm.convert_deferred_batch_norm(ours, 4)[1][0] is ours[1][0]
     assert list(ours.state_dict()) == list(theirs.state_dict())
     assert DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(3)).chunks == 1
     x = torch.randn(8, 2, 3, 3)
@@ -725,7 +730,9 @@ class Watch(nn.Module):
 @pytest.mark.parametrize("batch", [8, 3])
 def test_checkpointing_and_recomputing_are_true_where_torchgpipes_are(checkpoint, batch):
     """In every mode: train and eval, with and without grad, and a batch of fewer samples than
-    chunks; the calls in the order they ran."""
+    chunks; the calls in the order they ran. One deliberate difference: in training mode under
+    no_grad fpipe runs every micro-batch forward only, without a graph, so none is
+    checkpointing (torchgpipe's still says so of those it would checkpoint)."""
     seen = {}
     for name, face in FACES.items():
         calls = seen[name] = []
@@ -741,5 +748,10 @@ def test_checkpointing_and_recomputing_are_true_where_torchgpipes_are(checkpoint
                 if y.requires_grad:
                     y.sum().backward()
                     calls.append(("backward",))
+    no_grad = slice(seen["torchgpipe"].index(("backward",)) + 1,
+                    seen["torchgpipe"].index(("call", True, False)))
+    theirs = seen["torchgpipe"][no_grad]
+    assert any(flag for _, flag, _ in theirs) == (checkpoint != "never")
+    seen["torchgpipe"][no_grad] = [(size, False, False) for size, _, _ in theirs]
     assert seen["fpipe"] == seen["torchgpipe"]
     assert not any(lib.is_checkpointing() or lib.is_recomputing() for lib in (fpipe, torchgpipe))
