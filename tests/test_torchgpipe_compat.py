@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 
 import pytest
 import torch
@@ -755,3 +756,106 @@ def test_checkpointing_and_recomputing_are_true_where_torchgpipes_are(checkpoint
     seen["torchgpipe"][no_grad] = [(size, False, False) for size, _, _ in theirs]
     assert seen["fpipe"] == seen["torchgpipe"]
     assert not any(lib.is_checkpointing() or lib.is_recomputing() for lib in (fpipe, torchgpipe))
+
+
+# -- issue 28: torchgpipe's own tests' behaviours --------------------------------------------
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_no_grad_builds_no_graph_in_training_mode(checkpoint):
+    """Under torch.no_grad() every micro-batch on every partition runs without a graph, in
+    training mode too (evaluation loops that leave the module in training)."""
+    for name, model in both(mlp, [2, 3], chunks=4, checkpoint=checkpoint).items():
+        outputs = []
+        for partition in model.partitions:
+            partition.register_forward_hook(lambda m, i, o: outputs.append(o))
+        with torch.no_grad():
+            y = model(torch.randn(8, 5, dtype=torch.float64))
+        assert len(outputs) == 8 and y.grad_fn is None, name
+        assert all(o.grad_fn is None and not o.requires_grad for o in outputs), name
+
+
+@pytest.mark.parametrize("batch, chunks", [(5, 4), (9, 4), (10, 4), (3, 4), (7, 4), (6, 6)])
+def test_micro_batches_are_the_ones_torch_chunk_cuts(batch, chunks):
+    """torch.chunk may cut fewer pieces than chunks (5 in 4: 2, 2, 1): both faces run that
+    many. (Their sizes are fpipe's even split of that count: 10 in 4 is 3, 3, 2, 2 where
+    torch.chunk cuts 3, 3, 3, 1.)"""
+    seen = {}
+    for name, face in FACES.items():
+        sizes = seen[name] = []
+
+        class Record(nn.Module):
+            def forward(self, x):
+                sizes.append(x.shape[0])
+                return x
+
+        model = face(nn.Sequential(Record(), nn.Linear(2, 2)), [2], devices=["cpu"],
+                     chunks=chunks, checkpoint="never")
+        model(torch.randn(batch, 2))
+    count = len(torch.arange(batch).chunk(chunks))
+    assert len(seen["fpipe"]) == len(seen["torchgpipe"]) == count
+    assert seen["fpipe"] == [len(p) for p in torch.arange(batch).tensor_split(count)]
+
+
+def duplicate_parameters():
+    class Holder(nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+    conv = nn.Conv2d(3, 3, 1)
+    return nn.Sequential(Holder(conv), Holder(conv))
+
+
+@pytest.mark.parametrize("make, error, sentence", [
+    (lambda gpipe: gpipe(mlp(), [5], devices=["cpu"], checkpoint="sometimes"), ValueError,
+     "checkpoint is not one of 'always', 'except_last', or 'never'"),
+    (lambda gpipe: gpipe(nn.Sequential()), ValueError, "balance is required"),
+    (lambda gpipe: gpipe(nn.Sequential()), ValueError, "torchgpipe.balance"),
+    (lambda gpipe: gpipe(nn.Sequential(), [1]), ValueError, "torchgpipe.balance"),
+    (lambda gpipe: gpipe(mlp(), [1]), ValueError, "torchgpipe.balance"),
+])
+def test_constructor_messages_open_with_torchgpipes_sentence(make, error, sentence):
+    """Code and tests written against torchgpipe match on its wording; fpipe's guidance
+    follows it."""
+    for face in FACES.values():
+        with pytest.raises(error, match=re.escape(sentence)):
+            make(face)
+
+
+@pytest.mark.parametrize("build, error, sentence", [
+    (nn.Module, TypeError, "module must be nn.Sequential to be partitioned"),
+    (lambda: nn.Sequential(*[nn.Conv2d(3, 3, 1)] * 2), ValueError,
+     "module with duplicate children is not supported"),
+    (duplicate_parameters, ValueError,
+     "module with duplicate parameters in distinct children is not supported"),
+])
+def test_verify_module_messages_open_with_torchgpipes_sentence(build, error, sentence):
+    from torchgpipe.gpipe import verify_module as theirs
+
+    from fpipe._gpipe.arguments import verify_module as ours
+    for verify in (theirs, ours):
+        with pytest.raises(error, match=f"^{re.escape(sentence)}"):
+            verify(build())
+
+
+def test_balance_by_time_profiles_in_training_mode():
+    """A module left in eval mode is profiled as its partitions will train: of a layer slow
+    only in training and one slow only in eval, the first gets a partition of its own."""
+    class Slow(nn.Module):
+        def __init__(self, in_training):
+            super().__init__()
+            self.in_training = in_training
+
+        def forward(self, x):
+            if self.training == self.in_training:
+                time.sleep(0.1)  # far above a loaded machine's jitter
+            return x
+
+    def model():
+        return nn.Sequential(Slow(True), nn.Linear(4, 4), nn.Linear(4, 4), Slow(False)).eval()
+
+    x = torch.randn(2, 4)
+    assert tg_balance.balance_by_time(2, model(), x, device="cpu", timeout=0.5) == [1, 3]
+    given = model()
+    assert fpipe.stages.balance_by_time(given, x, 2, repeat=2) == [1, 3]
+    assert not given.training  # profiled on a copy
