@@ -221,6 +221,12 @@ MUTANTS = (
     Mutant("balance_by_time profiling in the module's mode", "stages/balance.py",
            "copy.deepcopy(module).to(device).train()", "copy.deepcopy(module).to(device)",
            ("tests/test_torchgpipe_compat.py::test_balance_by_time_profiles_in_training_mode",)),
+    Mutant("profiler spans named by the bare action (2F0 demangled to F0)",
+           "_runtime/instructions.py", 'return f"fpipe::{action}"', "return str(action)",
+           ("tests/test_thread_state.py",)),
+    Mutant("no warning when the profiler records the caller's thread alone",
+           "_runtime/driver.py", "            warn_if_profiler_misses_workers(len(plan))\n", "",
+           ("tests/test_thread_state.py",)),
 )
 
 
