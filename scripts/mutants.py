@@ -227,6 +227,15 @@ MUTANTS = (
     Mutant("no warning when the profiler records the caller's thread alone",
            "_runtime/driver.py", "            warn_if_profiler_misses_workers(len(plan))\n", "",
            ("tests/test_thread_state.py",)),
+    Mutant("a partition's input handed to its layers as is (in-place writes refused)",
+           "_gpipe/run.py", "self.stage(params, state, optree.tree_map(writable, x))",
+           "self.stage(params, state, x)",
+           ("tests/test_torchgpipe_compat.py::"
+            "test_a_partition_writing_its_input_runs_where_torchgpipe_runs_it",)),
+    Mutant("an inference partition's input aliased with its version counter",
+           "_gpipe/run.py", "    return x.data\n", "    return x\n",
+           ("tests/test_torchgpipe_compat.py::"
+            "test_a_partition_writing_its_input_runs_where_torchgpipe_runs_it",)),
 )
 
 

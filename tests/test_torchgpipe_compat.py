@@ -859,3 +859,59 @@ def test_balance_by_time_profiles_in_training_mode():
     given = model()
     assert fpipe.stages.balance_by_time(given, x, 2, repeat=2) == [1, 3]
     assert not given.training  # profiled on a copy
+
+
+def inplace_first():
+    """nn.ReLU(inplace=True) first in partitions 1 and 2 of [1, 2, 2] (torchvision's layers)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 6),
+                         nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+
+
+@pytest.mark.parametrize("checkpoint, chunks", [("never", 4), ("except_last", 1),
+                                                ("always", 4)])
+def test_a_partition_writing_its_input_runs_where_torchgpipe_runs_it(checkpoint, chunks):
+    """Training without a recompute of it, eval under grad and no_grad inference: the same
+    outputs and gradients as torchgpipe's (and as the plain module's)."""
+    models = both(inplace_first, [1, 2, 2], chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    expected = step(inplace_first(), x)
+    if checkpoint != "always":  # training: see the next test for checkpointed forwards
+        assert_same(expected, step(models["torchgpipe"], x))
+        assert_same(expected, step(models["fpipe"], x))
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        assert_same(expected, step(model, x))
+        with torch.no_grad():
+            assert_same(expected[0], model(x.clone()))
+        model.train()
+        with torch.no_grad():
+            assert_same(expected[0], model(x.clone()))
+
+
+def test_a_checkpointed_partition_writing_its_input_is_refused_at_its_forward():
+    """Its recompute would start from the overwritten input: torchgpipe's autograd refuses the
+    recompute at the backward; fpipe says so at the forward, and what to do."""
+    models = both(inplace_first, [1, 2, 2], chunks=4, checkpoint="except_last")
+    x = torch.randn(8, 5, dtype=torch.float64)
+    y = models["torchgpipe"](x)
+    with pytest.raises(RuntimeError, match="in-place operation"):
+        y.sum().backward()
+    with pytest.raises(fpipe.StageError, match=r"partition 1 wrote in place into its input.*"
+                                               r"checkpoint='never'"):
+        models["fpipe"](x)
+
+
+def test_a_partition_overwriting_what_the_previous_one_saved_fails_its_backward_alike():
+    """Sigmoid's backward reads its output; an in-place ReLU after it, first in the next
+    partition, overwrites it: both libraries leave that to autograd's version counters."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 4), nn.Sigmoid(), nn.ReLU(inplace=True),
+                             nn.Linear(4, 2)).double()
+
+    for model in both(build, [2, 2], chunks=2, checkpoint="never").values():
+        y = model(torch.randn(8, 5, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
