@@ -236,6 +236,12 @@ MUTANTS = (
            "_gpipe/run.py", "    return x.data\n", "    return x\n",
            ("tests/test_torchgpipe_compat.py::"
             "test_a_partition_writing_its_input_runs_where_torchgpipe_runs_it",)),
+    Mutant("a module stage's swap leaving the call's tensors in the module", "stages/swap.py",
+           "                holder[key] = original\n", "                pass\n",
+           ("tests/test_stages_sequential.py",)),
+    Mutant("a module stage's swap losing a buffer the module reassigned", "stages/swap.py",
+           "                    tensors[name] = holder[key]\n", "                    pass\n",
+           ("tests/test_stages_sequential.py",)),
 )
 
 

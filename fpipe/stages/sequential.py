@@ -2,8 +2,8 @@
 
 A partition's module is kept only as the code to run. Its parameters and buffers are copied out
 into plain tensors on the stage's device and come back in as arguments, swapped in for the call
-by ``torch.func.functional_call``; so a stage is a pure function of its arguments, the original
-module is never read or written during training, and ``load_into`` hands the results back.
+(as ``torch.func.functional_call`` does; :mod:`fpipe.stages.swap`), so a stage is a pure
+function of its arguments, the original module is never read or written during training, and ``load_into`` hands the results back.
 A model built on the ``meta`` device is the exception: its stages are made on their devices in
 the module itself (:mod:`fpipe.stages.materialize`), whose tensors the stages then hold.
 """
@@ -20,6 +20,7 @@ from torch.func import functional_call
 from fpipe.stages.materialize import Init, place_stages
 from fpipe.stages.module_skip import route_module_skips
 from fpipe.stages.naming import Tie, find_ties, model_names
+from fpipe.stages.swap import Slots
 
 __all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
            "load_into"]
@@ -56,9 +57,17 @@ class ModuleStage:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self._slots: Slots | None = None  # where its tensors live, found at the first call
 
     def __call__(self, params: Tensors, x: Any) -> Any:
-        return functional_call(self.module, params, (x,), strict=True)
+        return self._call(params, x)
+
+    def _call(self, tensors: Tensors, x: Any) -> Any:
+        """The module on ``tensors`` (every parameter and buffer by name), as
+        ``functional_call(module, tensors, (x,), strict=True)`` (see :mod:`fpipe.stages.swap`)."""
+        if self._slots is None:
+            self._slots = Slots(self.module)
+        return self._slots.call(tensors, (x,))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.module!r})"
@@ -74,8 +83,11 @@ class StatefulModuleStage(ModuleStage):
 
     def __call__(self, params: Tensors, state: Tensors, x: Any) -> tuple[Any, Tensors]:
         new_state = {name: buffer.clone() for name, buffer in state.items()}
-        y = functional_call(self.module, (params, new_state), (x,), strict=True)
-        return y, new_state
+        if params.keys() & new_state.keys():  # torch's error for a name given twice
+            functional_call(self.module, (params, new_state), (x,), strict=True)
+        tensors = {**params, **new_state}
+        y = self._call(tensors, x)
+        return y, {name: tensors[name] for name in new_state}
 
 
 def from_sequential(module: nn.Sequential, balance: Sequence[int],
