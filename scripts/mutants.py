@@ -242,6 +242,9 @@ MUTANTS = (
     Mutant("a module stage's swap losing a buffer the module reassigned", "stages/swap.py",
            "                    tensors[name] = holder[key]\n", "                    pass\n",
            ("tests/test_stages_sequential.py",)),
+    Mutant("a reentrant checkpoint's node not looked for", "_runtime/reentrant.py",
+           "        if type(node).__name__ == _NODE:", "        if False:",
+           ("tests/test_interop.py",)),
 )
 
 
