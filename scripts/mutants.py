@@ -210,7 +210,7 @@ MUTANTS = (
            ("tests/test_batchnorm.py",), quick=True),
     Mutant("balance_by_size measuring n // chunks samples", "stages/balance.py",
            "leaf[:math.ceil(leaf.shape[0] / chunks)]", "leaf[:leaf.shape[0] // chunks]",
-           ("tests/test_balance.py",), quick=True),
+           ("tests/test_balance.py",)),
     Mutant("fpipe.GPipe cutting min(n, chunks) micro-batches", "_gpipe/run.py",
            "return math.ceil(n / math.ceil(n / chunks))", "return min(n, chunks)",
            ("tests/test_torchgpipe_compat.py::test_micro_batches_are_the_ones_torch_chunk_cuts",)),
