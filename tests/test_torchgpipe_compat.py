@@ -767,7 +767,7 @@ def test_no_grad_builds_no_graph_in_training_mode(checkpoint):
     for name, model in both(mlp, [2, 3], chunks=4, checkpoint=checkpoint).items():
         outputs = []
         for partition in model.partitions:
-            partition.register_forward_hook(lambda m, i, o: outputs.append(o))
+            partition.register_forward_hook(lambda m, i, o, seen=outputs: seen.append(o))
         with torch.no_grad():
             y = model(torch.randn(8, 5, dtype=torch.float64))
         assert len(outputs) == 8 and y.grad_fn is None, name
@@ -784,7 +784,7 @@ def test_micro_batches_are_the_ones_torch_chunk_cuts(batch, chunks):
         sizes = seen[name] = []
 
         class Record(nn.Module):
-            def forward(self, x):
+            def forward(self, x, sizes=sizes):
                 sizes.append(x.shape[0])
                 return x
 

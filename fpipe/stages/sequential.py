@@ -3,9 +3,10 @@
 A partition's module is kept only as the code to run. Its parameters and buffers are copied out
 into plain tensors on the stage's device and come back in as arguments, swapped in for the call
 (as ``torch.func.functional_call`` does; :mod:`fpipe.stages.swap`), so a stage is a pure
-function of its arguments, the original module is never read or written during training, and ``load_into`` hands the results back.
-A model built on the ``meta`` device is the exception: its stages are made on their devices in
-the module itself (:mod:`fpipe.stages.materialize`), whose tensors the stages then hold.
+function of its arguments, the original module is never read or written during training, and
+``load_into`` hands the results back. A model built on the ``meta`` device is the exception:
+its stages are made on their devices in the module itself (:mod:`fpipe.stages.materialize`),
+whose tensors the stages then hold.
 """
 
 from __future__ import annotations
