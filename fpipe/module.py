@@ -43,8 +43,8 @@ class GPipe(nn.Module):
 
     The input and output are a tensor or a tuple of tensors, and so is what each partition
     passes to the next. Partitions on one device share one worker thread, as in torchgpipe. In
-    eval mode nothing is recomputed; under ``torch.no_grad()`` in eval mode nothing is kept for
-    a backward. The partitions stay on their devices: moving the whole module with
+    eval mode nothing is recomputed; under ``torch.no_grad()`` (in either mode) nothing is kept
+    for a backward. The partitions stay on their devices: moving the whole module with
     ``.to(device)``, ``.cuda()`` or ``.cpu()`` is refused (a dtype alone is fine).
     """
 
@@ -74,7 +74,9 @@ class GPipe(nn.Module):
         m = microbatches(input, self.chunks)
         params = [dict(p.named_parameters()) for p in self.partitions]
         state = [dict(p.named_buffers()) for p in self.partitions]
-        if torch.is_inference_mode_enabled() or not (self.training or self._needs_grad(input)):
+        if torch.is_inference_mode_enabled() or not self._needs_grad(input):
+            # Nothing could need a backward (no_grad, or nothing requires grad), in training
+            # mode too: every micro-batch runs without a graph on every partition.
             pipe = self._pipeline(m, "never", params, state)
             y, new_state = pipe(input, params=params, state=state)
             self._commit(new_state)

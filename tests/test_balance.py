@@ -182,3 +182,20 @@ def test_balance_by_time_refuses_meta_and_needs_a_sample():
         balance_by_time(heavy_model(), torch.randn(4, 16, device="meta"), partitions=3)
     with pytest.raises(TypeError, match="needs a sample"):
         balance_by_time(heavy_model(), None, partitions=3)
+
+
+@pytest.mark.parametrize("batch, first", [(10, 3), (9, 3), (5, 2), (3, 1)])
+def test_balance_by_size_measures_the_first_micro_batch_torch_chunk_cuts(seen_costs, batch,
+                                                                        first):
+    """``chunks=4`` of a mini-batch of ``batch`` samples: the activations measured are those
+    of ``torch.chunk``'s first micro-batch (``ceil(batch / 4)`` samples), the largest one."""
+    assert x_chunk_sizes(batch)[0] == first
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    x = torch.randn(batch, 4, dtype=torch.float64)
+    balance_by_size(model, x, partitions=2, chunks=4)
+    balance_by_size(model, x[:first], partitions=2)
+    assert seen_costs[0] == seen_costs[1]
+
+
+def x_chunk_sizes(batch, chunks=4):
+    return [len(piece) for piece in torch.arange(batch).chunk(chunks)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import optree
 import pytest
 import torch
@@ -142,11 +144,39 @@ def test_eval_uses_running_stats_and_changes_nothing():
     assert int(bn.tracked) == 0
 
 
-def test_convert_leaves_the_original_alone():
-    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+def test_convert_swaps_in_place_keeping_the_very_tensors():
+    """As torchgpipe's: the given module is converted, and the new layer holds the old one's
+    parameters and buffers themselves, so an optimiser made before still trains them."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.BatchNorm1d(3)))
+    old = model[1][0]
     converted = DeferredBatchNorm.convert(model, chunks=4)
-    assert isinstance(converted[1], DeferredBatchNorm) and converted[1].chunks == 4
-    assert type(model[1]) is nn.BatchNorm1d
-    assert converted[0].weight is model[0].weight
+    assert converted is model
+    new = model[1][0]
+    assert isinstance(new, DeferredBatchNorm) and new.chunks == 4
+    for name, tensor in (*old.named_parameters(), *old.named_buffers()):
+        assert getattr(new, name) is tensor, name
+    assert DeferredBatchNorm.convert(model, chunks=4)[1][0] is new  # already converted
+    again = DeferredBatchNorm.convert(model, chunks=2)[1][0]
+    assert again is not new and again.chunks == 2 and again.weight is old.weight
+    untracked = nn.BatchNorm1d(3, track_running_stats=False)
+    assert DeferredBatchNorm.convert(untracked, chunks=4) is untracked
     with pytest.raises(ValueError, match="chunks must be a positive integer"):
         DeferredBatchNorm(3, chunks=0)
+
+
+def test_convert_keeps_the_count_momentum_none_averages_by():
+    """With ``momentum=None`` the running statistics are a cumulative average over
+    ``num_batches_tracked`` mini-batches; a conversion that restarted the count would weigh
+    the next mini-batch as if it were the first."""
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(3, momentum=None).double()
+    for _ in range(3):
+        plain(torch.randn(8, 3, dtype=torch.float64) * 2 + 1)
+    deferred = DeferredBatchNorm.convert(copy.deepcopy(plain), chunks=2)
+    assert int(deferred.num_batches_tracked) == 3
+    x = torch.randn(8, 3, dtype=torch.float64)
+    plain(x)
+    for xm in x.chunk(2):
+        deferred(xm)
+    torch.testing.assert_close(deferred.running_mean, plain.running_mean)
+    torch.testing.assert_close(deferred.running_var, plain.running_var)

@@ -55,3 +55,36 @@ def test_a_compiled_function_called_by_a_stage_runs_compiled():
     torch.testing.assert_close(loss, expected[0])
     assert_trees_close(grads, expected[1])
     torch._dynamo.reset()
+
+
+class _Reentrant(torch.nn.Module):
+    """A layer checkpointed as torch does where use_reentrant is left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return checkpoint(self.linear, x, use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_is_refused_at_the_first_forward():
+    """Its backward cannot run under a vjp (torch refuses it in the backward, and the
+    parameters it closes over would get no gradient): refused at the forward, naming the fix,
+    on both faces; nothing of the step ran a backward."""
+    def reentrant(p, x):
+        return checkpoint(lambda x: block(p, x), x, use_reentrant=True)
+
+    params = mlp_params(2)
+    x, t = data()
+    with fpipe.pipeline([block, reentrant], params, schedule=gpipe(chunks=3),
+                        loss_fn=mse) as pipe:
+        with pytest.raises(fpipe.StageError, match="use_reentrant=False") as caught:
+            pipe.value_and_grad(x, t)
+        assert caught.value.stage == 1 and caught.value.op == "forward"
+    torch.manual_seed(0)
+    model = fpipe.GPipe(torch.nn.Sequential(torch.nn.Linear(8, 8), _Reentrant()).double(),
+                        [1, 1], devices=["cpu"] * 2, chunks=3, checkpoint="never")
+    with pytest.raises(fpipe.StageError, match="use_reentrant=False"):
+        model(x)
+    assert all(p.grad is None for p in model.parameters())

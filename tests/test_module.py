@@ -215,7 +215,9 @@ def flags(checkpoint, batch, training=True, grad=True, chunks=2):
     ("always", 4, True, True, [(2, True, False)] * 2 + [(2, False, True)] * 2),
     ("except_last", 4, True, True, [(2, True, False), (2, False, False), (2, False, True)]),
     ("never", 4, True, True, [(2, False, False)] * 2),
-    ("except_last", 4, True, False, [(2, True, False), (2, False, False)]),  # no backward
+    # Under no_grad nothing is recomputed, so no forward is checkpointing (torchgpipe's says
+    # it is for the micro-batches it would checkpoint; see test_torchgpipe_compat).
+    ("except_last", 4, True, False, [(2, False, False), (2, False, False)]),
     ("always", 4, False, True, [(2, False, False)] * 2),  # eval: no checkpoints
     ("always", 4, False, False, [(2, False, False)] * 2),
     # One micro-batch of a batch smaller than chunks: torchgpipe checkpoints it.

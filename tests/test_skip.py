@@ -181,3 +181,36 @@ def test_whole_batch_reference_helper_agrees():
     loss, _ = whole_batch([block] * 3, params, x, target, mse)
     with fpipe.pipeline([block] * 3, params, schedule=gpipe(chunks=2), loss_fn=mse) as pipe:
         torch.testing.assert_close(pipe.value_and_grad(x, target)[0], loss, **TIGHT)
+
+
+def test_a_popped_skip_beside_an_input_with_an_integer_leaf():
+    """The input gradients of a stage that pops a skip are cut per input by the number of
+    leaves that carry a gradient: an integer leaf of ``x`` carries none, so counting it would
+    send the skip's gradient to the previous stage instead of the stage that stashed it."""
+    @skippable(stash=["h"])
+    def first(p, x):
+        h = block(p, x)
+        return h, {"h": h * 3}
+
+    def middle(p, x):
+        h = block(p, x)
+        return h, (h > 0).sum(1)
+
+    @skippable(pop=["h"])
+    def last(p, x_ids, skips):
+        x, ids = x_ids
+        return block(p, x) * skips["h"] + ids[:, None]
+
+    params = mlp_params(3)
+    x, target = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+
+    def loss(ps):
+        h, s = plain(first)(ps[0], x)
+        return mse(plain(last)(ps[2], middle(ps[1], h), s), target)
+
+    expected_grads, expected_loss = torch.func.grad_and_value(loss)(params)
+    with fpipe.pipeline([first, middle, last], params, schedule=gpipe(chunks=2),
+                        loss_fn=mse) as pipe:
+        loss_value, grads = pipe.value_and_grad(x, target)
+    torch.testing.assert_close(loss_value, expected_loss, **TIGHT)
+    assert_trees_close(grads, expected_grads)

@@ -505,3 +505,48 @@ def test_gpt_example_learns_and_hands_the_model_back(capsys):
     with torch.no_grad():
         assert trained == pytest.approx(example.next_token_loss(gpt(ids), targets).item(),
                                         rel=1e-3)
+
+
+# -- the swap of a module's tensors (fpipe.stages.swap) ---------------------------------------
+
+class _Counts(nn.Module):
+    """A tied weight (two names, one tensor), a buffer updated in place and one reassigned."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("last", torch.zeros(3))
+
+    def forward(self, x):
+        self.seen.add_(1)
+        self.last = x.mean(0)  # reassigned, not updated
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_the_swap_computes_what_functional_call_computes_and_restores_the_module():
+    from fpipe.stages.swap import Swap
+
+    torch.manual_seed(0)
+    module = _Counts().double()
+    own = {name: t for name, t in (*module.named_parameters(), *module.named_buffers())}
+    assert "b.weight" not in own  # a tie: one name, as named_parameters gives it
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(2):  # the second call uses the slots found by the first
+        values = {name: t.detach().clone() + 1 for name, t in own.items()}
+        expected = {name: t.clone() for name, t in values.items()}
+        y_expected = torch.func.functional_call(module, expected, (x,), strict=True)
+        swap = Swap(module)
+        y = swap(values, (x,))
+        torch.testing.assert_close(y, y_expected, rtol=0, atol=0)
+        assert values.keys() == expected.keys()
+        for name in values:  # in place and reassigned buffers come back alike
+            torch.testing.assert_close(values[name], expected[name], rtol=0, atol=0)
+        assert module.b.weight is module.a.weight is own["a.weight"]
+        assert module.last is own["last"] and float(module.seen) == 0
+    with pytest.raises(RuntimeError, match="Missing key"):
+        swap({k: v for k, v in values.items() if k != "a.bias"}, (x,))
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):  # the originals put back
+        swap(values, (torch.randn(4, 5, dtype=torch.float64),))
+    assert module.a.bias is own["a.bias"]

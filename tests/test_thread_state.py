@@ -4,6 +4,7 @@ step casts in every stage, as if the step ran in the caller's thread."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import optree
 import pytest
@@ -11,6 +12,8 @@ import torch
 from models import block, mlp_params, mse, whole_batch
 
 import fpipe
+from fpipe._runtime import workers
+from fpipe._runtime.instructions import span_name
 from fpipe.schedules import gpipe, one_f_one_b, zero_bubble
 
 BF16 = dict(rtol=2e-2, atol=2e-2)
@@ -109,26 +112,65 @@ def test_a_training_step_under_no_grad_still_differentiates():
         torch.testing.assert_close(g, e)
 
 
-def test_a_step_under_the_profiler():
-    """A profiled step runs and gives the same result; with the profiler's
-    ``profile_all_threads`` (README), the workers' ops are recorded too."""
-    def last(p, x):
-        return torch.sigmoid(x @ p["w"] + p["b"])  # an op only stage 1's worker runs
-
+def all_threads_config():
     try:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     except TypeError:
         pytest.skip("this torch's profiler cannot record every thread")
-    params = mlp_params(2)
+
+
+@pytest.mark.parametrize("started", ["before the profiler", "inside it"])
+def test_a_step_under_the_profiler(started):
+    """A profiled step runs and gives the same result; with the profiler's
+    ``profile_all_threads`` (README), every worker's ops and every action's span are recorded,
+    whenever the workers' threads started. Three stages: the spans of stage 2 were named
+    ``2F0``, which torch's profiler demangles to ``F0``."""
+    def last(p, x):
+        return torch.sigmoid(x @ p["w"] + p["b"])  # an op only the last stage's worker runs
+
+    config = all_threads_config()
+    params = mlp_params(3)
     x, target = (t.double() for t in data())
-    with fpipe.pipeline([block, last], params, schedule=gpipe(chunks=4), loss_fn=mse) as pipe:
-        plain = pipe.value_and_grad(x, target)[0]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    experimental_config=config) as prof:
-            profiled = pipe.value_and_grad(x, target)[0]
+    with fpipe.pipeline([block, block, last], params, schedule=gpipe(chunks=4),
+                        loss_fn=mse) as pipe:
+        if started == "before the profiler":
+            plain = pipe.value_and_grad(x, target)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning: every worker is recorded
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                        experimental_config=config) as prof:
+                profiled = pipe.value_and_grad(x, target)[0]
+        if started == "inside it":
+            plain = pipe.value_and_grad(x, target)[0]
     assert torch.equal(plain, profiled)
     names = {event.name for event in prof.events()}
     assert {"aten::tanh", "aten::sigmoid"} <= names
     # Every action of the program, on whichever worker ran it, is a span named like it.
     program = pipe.program
-    assert {str(action) for worker in program.workers for action in worker} <= names
+    assert {span_name(action) for worker in program.workers for action in worker} <= names
+
+
+def test_a_profiler_of_the_callers_thread_alone_is_said_once(monkeypatch):
+    """Without ``profile_all_threads`` torch records only the caller's thread (one worker):
+    a warning says how to see them all, once; a one-worker pipeline has nothing to say."""
+    monkeypatch.setattr(workers, "_warned_profiler", [])
+    params = mlp_params(2)
+    x, target = (t.double() for t in data())
+    with fpipe.pipeline([block], params[:1], schedule=gpipe(chunks=2), loss_fn=mse) as one, \
+            fpipe.pipeline([block, block], params, schedule=gpipe(chunks=2),
+                           loss_fn=mse) as two:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                one.value_and_grad(x, target)
+            with pytest.warns(RuntimeWarning, match="profile_all_threads=True"):
+                two.value_and_grad(x, target)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                two.value_and_grad(x, target)  # said once
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            monkeypatch.setattr(workers, "_warned_profiler", [])
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                        experimental_config=all_threads_config()):
+                two.value_and_grad(x, target)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 
 import pytest
 import torch
@@ -534,9 +535,14 @@ def test_convert_deferred_batch_norm_where_torchgpipe_users_find_it():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 2, 1), nn.Sequential(nn.BatchNorm2d(2)))
-    ours = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(model), 4)
-    theirs = TgDeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(model), 4)
+    model[1][0].num_batches_tracked.fill_(3)
+    given = {"ours": copy.deepcopy(model), "theirs": copy.deepcopy(model)}
+    ours = DeferredBatchNorm.convert_deferred_batch_norm(given["ours"], 4)
+    theirs = TgDeferredBatchNorm.convert_deferred_batch_norm(given["theirs"], 4)
+    assert ours is given["ours"] and theirs is given["theirs"]  # both convert in place
     assert isinstance(ours[1][0], DeferredBatchNorm) and ours[1][0].chunks == 4
+    assert int(ours[1][0].num_batches_tracked) == int(theirs[1][0].num_batches_tracked) == 3
+    assert DeferredBatchNorm.convert_deferred_batch_norm(ours, 4)[1][0] is ours[1][0]
     assert list(ours.state_dict()) == list(theirs.state_dict())
     assert DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(3)).chunks == 1
     x = torch.randn(8, 2, 3, 3)
@@ -725,7 +731,9 @@ class Watch(nn.Module):
 @pytest.mark.parametrize("batch", [8, 3])
 def test_checkpointing_and_recomputing_are_true_where_torchgpipes_are(checkpoint, batch):
     """In every mode: train and eval, with and without grad, and a batch of fewer samples than
-    chunks; the calls in the order they ran."""
+    chunks; the calls in the order they ran. One deliberate difference: in training mode under
+    no_grad fpipe runs every micro-batch forward only, without a graph, so none is
+    checkpointing (torchgpipe's still says so of those it would checkpoint)."""
     seen = {}
     for name, face in FACES.items():
         calls = seen[name] = []
@@ -741,6 +749,11 @@ def test_checkpointing_and_recomputing_are_true_where_torchgpipes_are(checkpoint
                 if y.requires_grad:
                     y.sum().backward()
                     calls.append(("backward",))
+    no_grad = slice(seen["torchgpipe"].index(("backward",)) + 1,
+                    seen["torchgpipe"].index(("call", True, False)))
+    theirs = seen["torchgpipe"][no_grad]
+    assert any(flag for _, flag, _ in theirs) == (checkpoint != "never")
+    seen["torchgpipe"][no_grad] = [(size, False, False) for size, _, _ in theirs]
     assert seen["fpipe"] == seen["torchgpipe"]
     assert not any(lib.is_checkpointing() or lib.is_recomputing() for lib in (fpipe, torchgpipe))
 
@@ -760,3 +773,162 @@ def test_gradients_are_bitwise_torchgpipes(checkpoint):
         F.mse_loss(piped(x), target).backward()
         grads[name] = [p.grad for p in piped.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads["fpipe"], grads["torchgpipe"]))
+
+
+# -- issue 28: torchgpipe's own tests' behaviours --------------------------------------------
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_no_grad_builds_no_graph_in_training_mode(checkpoint):
+    """Under torch.no_grad() every micro-batch on every partition runs without a graph, in
+    training mode too (evaluation loops that leave the module in training)."""
+    for name, model in both(mlp, [2, 3], chunks=4, checkpoint=checkpoint).items():
+        outputs = []
+        for partition in model.partitions:
+            partition.register_forward_hook(lambda m, i, o, seen=outputs: seen.append(o))
+        with torch.no_grad():
+            y = model(torch.randn(8, 5, dtype=torch.float64))
+        assert len(outputs) == 8 and y.grad_fn is None, name
+        assert all(o.grad_fn is None and not o.requires_grad for o in outputs), name
+
+
+@pytest.mark.parametrize("batch, chunks", [(5, 4), (9, 4), (10, 4), (3, 4), (7, 4), (6, 6)])
+def test_micro_batches_are_the_ones_torch_chunk_cuts(batch, chunks):
+    """torch.chunk may cut fewer pieces than chunks (5 in 4: 2, 2, 1): both faces run that
+    many. (Their sizes are fpipe's even split of that count: 10 in 4 is 3, 3, 2, 2 where
+    torch.chunk cuts 3, 3, 3, 1.)"""
+    seen = {}
+    for name, face in FACES.items():
+        sizes = seen[name] = []
+
+        class Record(nn.Module):
+            def forward(self, x, sizes=sizes):
+                sizes.append(x.shape[0])
+                return x
+
+        model = face(nn.Sequential(Record(), nn.Linear(2, 2)), [2], devices=["cpu"],
+                     chunks=chunks, checkpoint="never")
+        model(torch.randn(batch, 2))
+    count = len(torch.arange(batch).chunk(chunks))
+    assert len(seen["fpipe"]) == len(seen["torchgpipe"]) == count
+    assert seen["fpipe"] == [len(p) for p in torch.arange(batch).tensor_split(count)]
+
+
+def duplicate_parameters():
+    class Holder(nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+    conv = nn.Conv2d(3, 3, 1)
+    return nn.Sequential(Holder(conv), Holder(conv))
+
+
+@pytest.mark.parametrize("make, error, sentence", [
+    (lambda gpipe: gpipe(mlp(), [5], devices=["cpu"], checkpoint="sometimes"), ValueError,
+     "checkpoint is not one of 'always', 'except_last', or 'never'"),
+    (lambda gpipe: gpipe(nn.Sequential()), ValueError, "balance is required"),
+    (lambda gpipe: gpipe(nn.Sequential()), ValueError, "torchgpipe.balance"),
+    (lambda gpipe: gpipe(nn.Sequential(), [1]), ValueError, "torchgpipe.balance"),
+    (lambda gpipe: gpipe(mlp(), [1]), ValueError, "torchgpipe.balance"),
+])
+def test_constructor_messages_open_with_torchgpipes_sentence(make, error, sentence):
+    """Code and tests written against torchgpipe match on its wording; fpipe's guidance
+    follows it."""
+    for face in FACES.values():
+        with pytest.raises(error, match=re.escape(sentence)):
+            make(face)
+
+
+@pytest.mark.parametrize("build, error, sentence", [
+    (nn.Module, TypeError, "module must be nn.Sequential to be partitioned"),
+    (lambda: nn.Sequential(*[nn.Conv2d(3, 3, 1)] * 2), ValueError,
+     "module with duplicate children is not supported"),
+    (duplicate_parameters, ValueError,
+     "module with duplicate parameters in distinct children is not supported"),
+])
+def test_verify_module_messages_open_with_torchgpipes_sentence(build, error, sentence):
+    from torchgpipe.gpipe import verify_module as theirs
+
+    from fpipe._gpipe.arguments import verify_module as ours
+    for verify in (theirs, ours):
+        with pytest.raises(error, match=f"^{re.escape(sentence)}"):
+            verify(build())
+
+
+def test_balance_by_time_profiles_in_training_mode():
+    """A module left in eval mode is profiled as its partitions will train: of a layer slow
+    only in training and one slow only in eval, the first gets a partition of its own."""
+    class Slow(nn.Module):
+        def __init__(self, in_training):
+            super().__init__()
+            self.in_training = in_training
+
+        def forward(self, x):
+            if self.training == self.in_training:
+                time.sleep(0.1)  # far above a loaded machine's jitter
+            return x
+
+    def model():
+        return nn.Sequential(Slow(True), nn.Linear(4, 4), nn.Linear(4, 4), Slow(False)).eval()
+
+    x = torch.randn(2, 4)
+    assert tg_balance.balance_by_time(2, model(), x, device="cpu", timeout=0.5) == [1, 3]
+    given = model()
+    assert fpipe.stages.balance_by_time(given, x, 2, repeat=2) == [1, 3]
+    assert not given.training  # profiled on a copy
+
+
+def inplace_first():
+    """nn.ReLU(inplace=True) first in partitions 1 and 2 of [1, 2, 2] (torchvision's layers)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 6),
+                         nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+
+
+@pytest.mark.parametrize("checkpoint, chunks", [("never", 4), ("except_last", 1),
+                                                ("always", 4)])
+def test_a_partition_writing_its_input_runs_where_torchgpipe_runs_it(checkpoint, chunks):
+    """Training without a recompute of it, eval under grad and no_grad inference: the same
+    outputs and gradients as torchgpipe's (and as the plain module's)."""
+    models = both(inplace_first, [1, 2, 2], chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    expected = step(inplace_first(), x)
+    if checkpoint != "always":  # training: see the next test for checkpointed forwards
+        assert_same(expected, step(models["torchgpipe"], x))
+        assert_same(expected, step(models["fpipe"], x))
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        assert_same(expected, step(model, x))
+        with torch.no_grad():
+            assert_same(expected[0], model(x.clone()))
+        model.train()
+        with torch.no_grad():
+            assert_same(expected[0], model(x.clone()))
+
+
+def test_a_checkpointed_partition_writing_its_input_is_refused_at_its_forward():
+    """Its recompute would start from the overwritten input: torchgpipe's autograd refuses the
+    recompute at the backward; fpipe says so at the forward, and what to do."""
+    models = both(inplace_first, [1, 2, 2], chunks=4, checkpoint="except_last")
+    x = torch.randn(8, 5, dtype=torch.float64)
+    y = models["torchgpipe"](x)
+    with pytest.raises(RuntimeError, match="in-place operation"):
+        y.sum().backward()
+    with pytest.raises(fpipe.StageError, match=r"partition 1 wrote in place into its input.*"
+                                               r"checkpoint='never'"):
+        models["fpipe"](x)
+
+
+def test_a_partition_overwriting_what_the_previous_one_saved_fails_its_backward_alike():
+    """Sigmoid's backward reads its output; an in-place ReLU after it, first in the next
+    partition, overwrites it: both libraries leave that to autograd's version counters."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 4), nn.Sigmoid(), nn.ReLU(inplace=True),
+                             nn.Linear(4, 2)).double()
+
+    for model in both(build, [2, 2], chunks=2, checkpoint="never").values():
+        y = model(torch.randn(8, 5, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()

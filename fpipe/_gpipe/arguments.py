@@ -1,5 +1,6 @@
 """``fpipe.GPipe``'s arguments, taken as torchgpipe takes them and refused as it refuses them:
-the same exception types, with messages that say what is wrong and what to do."""
+the same exception types, each message opening with torchgpipe's own sentence (code and tests
+written against torchgpipe match on it), then saying what is wrong here and what to do."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ __all__: list[str] = []
 
 CHECKPOINTS = ("always", "except_last", "never")
 
-NO_BALANCE = (
-    "balance is required: the number of layers of each partition, as in "
-    "GPipe(model, balance=[2, 2], chunks=8). To find one, profile the model: "
+AUTO_BALANCE = (
+    "torchgpipe.balance's automatic balancing is fpipe.stages here: "
     "balance = fpipe.stages.balance_by_time(partitions, model, sample) (by time) or "
     "fpipe.stages.balance_by_size(partitions, model, sample, chunks=8) (by memory); both also "
     "take fpipe's order, (model, sample, partitions)")
+
+NO_BALANCE = ("balance is required: the number of layers of each partition, as in "
+              "GPipe(model, balance=[2, 2], chunks=8). " + AUTO_BALANCE)
 
 
 def whole(name: str, value: Any) -> int:
@@ -48,7 +51,8 @@ def chunks_of(value: Any) -> int:
 def checkpoint_of(value: Any) -> str:
     mode = str(value)
     if mode not in CHECKPOINTS:
-        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINTS))}, got "
+        raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never': "
+                         f"checkpoint must be one of {', '.join(map(repr, CHECKPOINTS))}, got "
                          f"{value!r}")
     return mode
 
@@ -57,12 +61,14 @@ def verify_module(module: Any) -> None:
     """torchgpipe's rules: an ``nn.Sequential`` whose layers are distinct modules and share no
     parameter (each partition trains its own layers)."""
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"GPipe takes an nn.Sequential to cut into partitions, got "
+        raise TypeError(f"module must be nn.Sequential to be partitioned: GPipe takes an "
+                        f"nn.Sequential to cut into partitions, got "
                         f"{type(module).__name__}; write the model as a sequence of layers")
     first: dict[int, str] = {}
     for name, layer in module._modules.items():
         if id(layer) in first:
-            raise ValueError(f"the module holds the same layer twice, as {first[id(layer)]!r} "
+            raise ValueError(f"module with duplicate children is not supported: the module "
+                             f"holds the same layer twice, as {first[id(layer)]!r} "
                              f"and {name!r}: every layer must be a distinct module (use "
                              f"copy.deepcopy, or untie the layers)")
         first[id(layer)] = name
@@ -71,7 +77,8 @@ def verify_module(module: Any) -> None:
         for param_name, param in layer.named_parameters():
             if id(param) in owner and owner[id(param)][0] != name:
                 other, other_param = owner[id(param)]
-                raise ValueError(f"layers {other!r} and {name!r} share a parameter "
+                raise ValueError(f"module with duplicate parameters in distinct children is not "
+                                 f"supported: layers {other!r} and {name!r} share a parameter "
                                  f"({other}.{other_param} is {name}.{param_name}): each "
                                  f"partition would train its own copy; keep tied weights in "
                                  f"one layer")
@@ -81,9 +88,10 @@ def verify_module(module: Any) -> None:
 def balance_of(balance: Iterable[Any], n_layers: int) -> list[int]:
     balance = [whole(f"balance[{i}]", size) for i, size in enumerate(balance)]
     if sum(balance) != n_layers:
-        raise ValueError(f"balance {balance} sums to {sum(balance)} layers but the module has "
-                         f"{n_layers}: give the number of layers of each partition "
-                         f"(fpipe.stages.balance_by_time can find one)")
+        raise ValueError(f"module and sum of balance have different length (module: "
+                         f"{n_layers}, sum of balance: {sum(balance)}): balance {balance} sums "
+                         f"to {sum(balance)} layers but the module has {n_layers}; give the "
+                         f"number of layers of each partition. " + AUTO_BALANCE)
     for i, size in enumerate(balance):
         if size <= 0:
             raise ValueError(f"balance[{i}] is {size}: every partition needs at least one "

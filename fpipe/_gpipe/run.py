@@ -23,7 +23,9 @@ import optree
 import torch
 from torch import nn
 
+from fpipe.errors import StageError
 from fpipe.pipeline import Pipeline
+from fpipe.recompute import is_checkpointing
 from fpipe.schedules.actions import Action, B, F, Program
 from fpipe.schedules.remat import apply_remat
 from fpipe.stages.module_skip import route_module_skips
@@ -76,14 +78,32 @@ def clock_program(n_microbatches: int, devices: Sequence[torch.device], remat: s
 
 class Partition:
     """A partition's stage, ``(params, buffers, x) -> (y, new_buffers)``, holding its output
-    to torchgpipe's rule: a tensor or a tuple of tensors."""
+    to torchgpipe's rule: a tensor or a tuple of tensors.
+
+    Its layers may write into its input in place (``nn.ReLU(inplace=True)`` first in a
+    partition, torchvision's default) wherever torchgpipe lets them: where nothing reads the
+    input afterwards. Each tensor of the input is handed over as an alias (see
+    :func:`writable`), so the write lands without tripping fpipe's purity check or autograd's
+    refusal of writes into a leaf; autograd's version counters still catch a backward that
+    needed the overwritten value. Only a checkpointed forward is refused, at once: its
+    recompute would start from the overwritten input."""
 
     def __init__(self, module: nn.Module, index: int) -> None:
         self.stage = StatefulModuleStage(module)
         self.index = index
 
     def __call__(self, params: Any, state: Any, x: Any) -> tuple[Any, Any]:
-        y, new_state = self.stage(params, state, x)
+        if is_checkpointing():
+            versions = [t._version for t in _tensors(x)]
+            y, new_state = self.stage(params, state, x)
+            if versions != [t._version for t in _tensors(x)]:
+                raise StageError(
+                    f"partition {self.index} wrote in place into its input (a layer such as "
+                    f"nn.ReLU(inplace=True) first in the partition) in a checkpointed forward, "
+                    f"whose recompute would start from the overwritten input: use "
+                    f"checkpoint='never', or inplace=False for that layer")
+        else:
+            y, new_state = self.stage(params, state, optree.tree_map(writable, x))
         values = y if isinstance(y, tuple) else (y,)
         if not all(isinstance(value, torch.Tensor) for value in values):
             raise TypeError(f"partition {self.index} returned {_kind(y)}: a partition's output "
@@ -92,6 +112,35 @@ class Partition:
 
     def __repr__(self) -> str:
         return f"Partition({self.index}, {self.stage.module!r})"
+
+
+class _Alias(torch.autograd.Function):
+    """The identity, returning a new tensor over the same storage: a non-leaf that a layer
+    may write into in place, whose gradient flows back to the leaf unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def writable(x: Any) -> Any:
+    """``x`` as a partition may write into it: under a graph, an alias autograd tracks (the
+    version counter stays shared, so a saved tensor overwritten is still an error at the
+    backward); without one, ``.data``, a view with a version counter of its own, so that
+    fpipe's check of the caller's tensors does not see a write nothing will read back."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Alias.apply(x)
+    return x.data
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class Pipelines:

@@ -14,6 +14,7 @@ import optree
 import torch
 
 from fpipe._runtime.adapters import Core, MicroBatch
+from fpipe._runtime.reentrant import check_no_reentrant_checkpoint
 from fpipe._runtime.split_backward import split_vjp
 from fpipe._runtime.values import Value, check_output, describe, flatten
 from fpipe._runtime.vjp import autograd_vjp, func_vjp
@@ -47,6 +48,7 @@ class StageCall:
         self.outputs_named = outputs_named
         # Whether forward_vjp can add parameter gradients into the step's leaves (autograd).
         self.accumulates = engine is autograd_vjp
+        self.searched = False  # whether a vjp's graph was searched for a reentrant checkpoint
 
     def forward(self, params: list, inputs: tuple[Value, ...], state: Any,
                 mb: MicroBatch, requiring: list | None = None) -> tuple[list[Value], Any]:
@@ -135,6 +137,9 @@ class StageCall:
                              "compute a new tensor instead") from exc
         watch.check()
         outs, kept, state_leaves, state_spec, state_kept = side
+        if not self.searched and (self.accumulates or split):  # once: see reentrant.py
+            check_no_reentrant_checkpoint(out.leaves[i] for out in outs for i in out.grad_index)
+            self.searched = True
         for (k, i), leaf in zip(kept, aux):
             outs[k].leaves[i] = leaf
         new_state = None

@@ -28,7 +28,12 @@ from fpipe._runtime.rng import StepSeed, UnseededDraws
 from fpipe._runtime.step import Ends, Step, TrainResult, Vjp
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.thread_state import ThreadState
-from fpipe._runtime.workers import Inbox, WorkerPool, warn_if_oversubscribed
+from fpipe._runtime.workers import (
+    Inbox,
+    WorkerPool,
+    warn_if_oversubscribed,
+    warn_if_profiler_misses_workers,
+)
 from fpipe.errors import StageError
 from fpipe.schedules.actions import Program
 from fpipe.schedules.colocate import colocate
@@ -198,6 +203,7 @@ class LocalDriver:
                             _LocalChannel(step.inboxes, w, program.placement, self.transport,
                                           self.devices))
                     for w in range(len(plan))]
+            warn_if_profiler_misses_workers(len(plan))
             self.transport.begin_step()
             try:
                 self.pool.run(jobs, step.abort, inline)

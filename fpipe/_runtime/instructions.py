@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from fpipe._runtime.interpreter import Interpreter
 
 __all__ = ["Kind", "KINDS", "compiled", "Job", "located", "check_turn", "before_turn",
-           "after_turn"]
+           "after_turn", "span_name"]
 
 _NOTHING = contextlib.nullcontext()
 
@@ -161,21 +161,30 @@ class Job:
 
     def timed(self, kind: Kind, stage: int, microbatch: int) -> contextlib.AbstractContextManager:
         """The span of one action: for a Recorder when the step is recorded, and as a
-        ``record_function`` named like the action (``2F0``) while a profiler runs; else
-        nothing (the common case costs one attribute read and one global read)."""
+        ``record_function`` named like the action (``fpipe::2F0``, see :func:`span_name`)
+        while a profiler runs; else nothing (the common case costs one attribute read and one
+        global read)."""
         clock = self.step.clock
         if clock is None and not profiler._is_profiler_enabled:
             return _NOTHING
         action = Action(stage, kind.op, microbatch)
         if clock is None:
-            return profiler.record_function(str(action))
+            return profiler.record_function(span_name(action))
         span = clock.span(action, self.interpreter.devices[stage])
         if not profiler._is_profiler_enabled:
             return span
         both = contextlib.ExitStack()
-        both.enter_context(profiler.record_function(str(action)))
+        both.enter_context(profiler.record_function(span_name(action)))
         both.enter_context(span)
         return both
+
+
+def span_name(action: Action) -> str:
+    """The profiler's name of an action's span: ``fpipe::2F0``. Not the bare ``2F0``: torch's
+    profiler demangles event names, and a digit followed by that many characters reads as a
+    C++ identifier of that length, so ``2F0`` came out as ``F0`` (every action of stage 2 on
+    micro-batches 0-9, of stage 3 on 10-99, ...)."""
+    return f"fpipe::{action}"
 
 
 def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:

@@ -19,10 +19,14 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import torch
+from torch.autograd import profiler
+
 from fpipe._runtime.log import logger
 from fpipe.errors import OversubscriptionWarning
 
-__all__ = ["Aborted", "Inbox", "WorkerPool", "cores", "warn_if_oversubscribed"]
+__all__ = ["Aborted", "Inbox", "WorkerPool", "cores", "warn_if_oversubscribed",
+           "warn_if_profiler_misses_workers"]
 
 
 def cores() -> int:
@@ -45,6 +49,28 @@ def warn_if_oversubscribed(n_workers: int) -> None:
         f"[0, 0, 1, 1]): stage s on worker workers[s]), or silence this with "
         f"warnings.simplefilter('ignore', fpipe.OversubscriptionWarning)",
         OversubscriptionWarning, stacklevel=_outside_fpipe())
+
+
+_warned_profiler: list[bool] = []
+
+
+def warn_if_profiler_misses_workers(n_workers: int) -> None:
+    """Say once per process when a profiler records only the caller's thread, which runs one of
+    ``n_workers`` workers: torch's profiler keeps its callbacks per thread unless built with
+    ``profile_all_threads``, which no library can change for the threads it starts. (Built with
+    it, the profiler is on for every thread and for none in particular: the caller's thread
+    then reports no thread-local profiler.)"""
+    if n_workers < 2 or _warned_profiler or not profiler._is_profiler_enabled:
+        return
+    if not torch._C._autograd._profiler_enabled():
+        return
+    _warned_profiler.append(True)
+    warnings.warn(
+        f"the profiler records only the calling thread, which runs one of this pipeline's "
+        f"{n_workers} workers; the other workers' actions and ops are missing from the trace. "
+        f"To record every worker, build the profiler with experimental_config="
+        f"torch._C._profiler._ExperimentalConfig(profile_all_threads=True)",
+        RuntimeWarning, stacklevel=_outside_fpipe())
 
 
 def _outside_fpipe() -> int:

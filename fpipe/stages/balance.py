@@ -77,7 +77,8 @@ def balance_by_time(module: nn.Sequential, sample: Any, partitions: int | None =
     keyword), of as many runs as fit in the layer's share of it (one at least). A copy of the
     module is profiled, so the module's parameters, gradients and buffers (BatchNorm's
     statistics) are left as they were. torchgpipe's argument order, ``(partitions, module,
-    sample)``, is accepted too.
+    sample)``, is accepted too. The layers run in training mode, as the pipeline's training
+    steps run them.
     """
     module, sample, partitions = _arguments("balance_by_time", module, sample, partitions)
     if sample is None:
@@ -204,7 +205,9 @@ def _profile(module: nn.Sequential, sample: Any, partitions: int,
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
     device = torch.device(device)
-    model = copy.deepcopy(module).to(device)
+    # In training mode, as torchgpipe profiles: what the partitions will run (dropout on,
+    # BatchNorm on batch statistics), whatever mode the module is in.
+    model = copy.deepcopy(module).to(device).train()
     x = _to(sample, device)
     costs = []
     with tracking({}) as skips:  # torchgpipe-style skippable layers stash and pop through it

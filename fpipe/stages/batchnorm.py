@@ -14,8 +14,6 @@ saw, and whose new state is dropped) never counts a micro-batch twice.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,31 +80,31 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module, chunks: int) -> nn.Module:
-        """``module`` with every BatchNorm1d/2d/3d replaced by a DeferredBatchNorm that has the
-        same parameters and running statistics (the module itself is not changed)."""
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
-            if not module.track_running_stats:
-                return module
-            new = cls(module.num_features, chunks, module.eps, module.momentum, module.affine,
-                      device=module.running_mean.device, dtype=module.running_mean.dtype)
-            with torch.no_grad():
-                if module.affine:
-                    new.weight.copy_(module.weight)
-                    new.bias.copy_(module.bias)
-                new.running_mean.copy_(module.running_mean)
-                new.running_var.copy_(module.running_var)
-                new.num_batches_tracked.copy_(module.num_batches_tracked)
-            new.train(module.training)
-            return new
-        converted = copy.copy(module)  # shares tensors, not the registries below
-        converted._parameters = dict(module._parameters)
-        converted._buffers = dict(module._buffers)
-        converted._modules = {name: None if child is None else cls.convert(child, chunks)
-                              for name, child in module._modules.items()}
-        return converted
+        """``module`` with every tracking BatchNorm1d/2d/3d replaced, in place, by a
+        DeferredBatchNorm holding the very same parameters and buffers (running statistics and
+        ``num_batches_tracked``, which ``momentum=None`` averages by): an optimiser built
+        before the conversion still trains them. As torchgpipe's, the swap happens in the
+        given module, and a DeferredBatchNorm of the same ``chunks`` is returned as it is."""
+        if isinstance(module, cls) and module.chunks == chunks:
+            return module
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            module = cls._take_over(module, chunks)
+        for name, child in module.named_children():
+            module.add_module(name, cls.convert(child, chunks))
+        return module
+
+    @classmethod
+    def _take_over(cls, old: nn.modules.batchnorm._BatchNorm, chunks: int) -> DeferredBatchNorm:
+        new = cls(old.num_features, chunks, old.eps, old.momentum, old.affine,
+                  device=old.running_mean.device, dtype=old.running_mean.dtype)
+        for name in ("weight", "bias"):
+            new.register_parameter(name, getattr(old, name))
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            new.register_buffer(name, getattr(old, name))
+        new.train(old.training)
+        return new
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
-        """:meth:`convert` under torchgpipe's name and default (``chunks=1``). The module is
-        returned converted and left as it was (torchgpipe's also swaps its layers in place)."""
+        """:meth:`convert` under torchgpipe's name and default (``chunks=1``)."""
         return cls.convert(module, chunks)

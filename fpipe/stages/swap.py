@@ -38,16 +38,21 @@ class Swap:
     def __call__(self, tensors: Mapping[str, torch.Tensor], args: tuple) -> Any:
         slots = self._slots if self._current() else self._read()
         if slots is None or len(tensors) != len(slots) or not slots.keys() >= tensors.keys():
-            return functional_call(self.module, dict(tensors), args, strict=True)
+            given = tensors if isinstance(tensors, dict) else dict(tensors)
+            return functional_call(self.module, given, args, strict=True)
         originals = []
         try:
             for name, tensor in tensors.items():
                 table, key = slots[name]
-                originals.append((table, key, table[key]))
+                originals.append((name, table, key, table[key]))
                 table[key] = tensor
             return self.module(*args)
         finally:
-            for table, key, original in originals:
+            for name, table, key, original in originals:
+                # A tensor the module reassigned (not updated in place) comes back in the
+                # caller's dict, as functional_call writes it back.
+                if table[key] is not tensors[name] and isinstance(tensors, dict):
+                    tensors[name] = table[key]
                 table[key] = original
 
     def _current(self) -> bool:
