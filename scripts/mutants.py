@@ -313,7 +313,7 @@ MUTANTS = (
             "test_a_partition_writing_its_input_runs_where_torchgpipe_runs_it",)),
     Mutant("a module stage's swap losing a buffer the module reassigned", "stages/swap.py",
            "                    tensors[name] = table[key]\n", "                    pass\n",
-           ("tests/test_stages_sequential.py",)),
+           ("tests/test_swap.py",)),
     Mutant("a reentrant checkpoint's node not looked for", "_runtime/reentrant.py",
            "        if type(node).__name__ == _NODE:", "        if False:",
            ("tests/test_interop.py",)),

@@ -72,3 +72,25 @@ def test_what_only_functional_call_does_goes_through_it():
     tensors = {"0.weight": torch.randn(4, 4), "0.bias": torch.randn(4),
                "1.bias": torch.randn(4)}
     assert torch.equal(Swap(tied)(tensors, (x,)), functional_call(tied, tensors, (x,)))
+
+
+class _Reassigns(nn.Module):
+    """A buffer reassigned by the forward (not updated in place), no ties: the fast path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("last", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = x.mean(0)
+        return self.lin(x)
+
+
+def test_a_buffer_the_module_reassigns_comes_back_in_the_callers_dict_as_functional_call():
+    module, x = _Reassigns(), torch.randn(4, 3)
+    swapped, called = others(module), others(module)
+    Swap(module)(swapped, (x,))
+    functional_call(module, called, (x,), strict=True)
+    assert torch.equal(swapped["last"], x.mean(0)) and torch.equal(called["last"], x.mean(0))
+    assert torch.equal(module.last, torch.zeros(3))  # the module's own is put back
