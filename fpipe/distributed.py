@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
+from fpipe._runtime.agreement import fingerprint
 from fpipe._runtime.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.engine import (
     check_options,
@@ -232,8 +233,12 @@ class DistributedPipeline:
             concurrent=False)  # one thread a rank: every draw seeded
         DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
+        built = fingerprint(self.ranks, self.worker, replicas, program, {
+            "autodiff": autodiff, "grad_dtype": grad_dtype, "grad_reduce": grad_reduce,
+            "state_reduce": state_reduce, "bucket_mb": bucket_mb,
+            "data parallel": replicas is not None}, ties, self.params, self.state)
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
-                                 self._compiled, replicas)
+                                 self._compiled, replicas, built)
         self.group, self.wire = self.driver.group, self.driver.wire
         self.data_parallel = None if data_parallel is None else self._replicas(
             replicas, grad_reduce, bucket_mb, state_reduce)
@@ -373,14 +378,10 @@ class DistributedPipeline:
 
     def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None, bucket_mb: float,
                   state_reduce: str | None) -> DataParallel:
-        """The data-parallel reduction over fpipe's group on ``ranks``, checked to run this
-        worker of the same program on every replica."""
-        dp = DataParallel(self.driver.dp_group, ranks, grad_reduce,
-                          max(1, int(bucket_mb * 2**20)), self.wire, state_reduce)
-        self.driver.faults.guarded(lambda: dp.check_alike(
-            self.driver.faults, self.worker,
-            (self.program.n_workers, self.program.n_stages, self.chunks)))
-        return dp
+        """The data-parallel reduction over fpipe's group on ``ranks`` (its replicas were
+        checked to run this worker of the same program when the groups were made)."""
+        return DataParallel(self.driver.dp_group, ranks, grad_reduce,
+                            max(1, int(bucket_mb * 2**20)), self.wire, state_reduce)
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
