@@ -57,6 +57,7 @@ from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.tie_groups import TieGroups
 from fpipe.errors import NonFiniteLossError, PlacementError
+from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.timeline import Recorder
@@ -251,6 +252,8 @@ class DistributedPipeline:
                                self.device, self.wire, grad_dtype, timeout, self.driver.faults)
         self._results = Results(self.data_parallel, tie_groups, self.driver.faults,
                                 self.param_specs)
+        #: The tie map, checked alike on every rank, as ``(stage, name)`` pairs.
+        self.ties = tuple(tuple(tuple(member) for member in tie) for tie in tie_groups.ties)
 
     @property
     def chunks(self) -> int:
@@ -298,6 +301,19 @@ class DistributedPipeline:
         if self.stateful:
             return loss, grads, self._results.state(step, replica)
         return loss, grads
+
+    def global_norm(self, grads: Mapping[int, Any]) -> torch.Tensor:
+        """The 2-norm of the whole model's gradients, on every rank of the pipeline, from this
+        rank's ``{stage: grads}``: :func:`fpipe.optim.global_norm` with the pipeline's ties
+        and its group (a norm of this rank's gradients alone would clip each rank by
+        another factor). Collective over the pipeline's ranks."""
+        return global_norm(grads, ties=self.ties, group=self.group)
+
+    def clip_grad_norm(self, grads: Mapping[int, Any], max_norm: float,
+                       eps: float = 1e-6) -> tuple[Any, torch.Tensor]:
+        """:func:`fpipe.optim.clip_grad_norm` of this rank's ``{stage: grads}`` by the whole
+        model's norm (:meth:`global_norm`): ``(grads, norm)``, scaled in place. Collective."""
+        return clip_grad_norm(grads, max_norm, eps, ties=self.ties, group=self.group)
 
     def close(self) -> None:
         """Collective: wait until every rank of the pipeline (and of its data-parallel group)
