@@ -198,6 +198,22 @@ MUTANTS = (
     Mutant("the target's size not told to the other ranks", "_runtime/rank_driver.py",
            "header[5] = _size(target, \"target\", errors) + 1", "header[5] = 0",
            ("tests/test_faces.py",)),
+    Mutant("clip_grad_norm drops group=", "optim.py",
+           "norm = global_norm(grads, ties=ties, group=group)",
+           "norm = global_norm(grads, ties=ties)",
+           ("tests/test_clipping.py",)),
+    Mutant("replicas' parameters not compared at build", "_runtime/agreement.py",
+           "fields = [*a.shared, *(a.held if held else ())]",
+           "fields = [*a.shared, *(b.held if held else ())]",
+           ("tests/test_agreement.py::test_a_mesh_whose_ranks_differ_is_refused_alike_at_build",)),
+    Mutant("a checkpoint's checksums not verified", "_runtime/intact.py",
+           "        if checksum(tensor) != saved[key]:",
+           "        if False:",
+           ("tests/test_saving_damage.py",)),
+    Mutant("a checkpoint read into the caller's tensors", "saving.py",
+           "    request: dict[str, Any] = {_MODEL: {name: torch.empty_like(leaf)",
+           "    request: dict[str, Any] = {_MODEL: {name: leaf",
+           ("tests/test_saving_damage.py",)),
 )
 
 
