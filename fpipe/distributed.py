@@ -60,6 +60,7 @@ from fpipe.errors import NonFiniteLossError, PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
+from fpipe.stages import Stages
 from fpipe.timeline import Recorder
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
@@ -113,7 +114,9 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
     once).
 
     Args:
-        stages: all the stage functions (functions are cheap; parameters are not).
+        stages: all the stage functions (functions are cheap; parameters are not), or the
+            :class:`fpipe.stages.Stages` that ``from_sequential`` / ``from_modules`` made,
+            whose ties are then the pipeline's (unless ``ties`` is given).
         params: ``{stage: pytree}`` for exactly the stages of :func:`my_stages`.
         schedule: as for :func:`fpipe.pipeline`; its program must have one worker per rank.
         loss_fn: ``loss_fn(y, target) -> scalar``, the mean loss over a micro-batch.
@@ -205,7 +208,9 @@ class DistributedPipeline:
         group, data_parallel = mesh_groups(group, mesh, data_parallel)
         #: The global rank of each worker: worker ``w`` runs on rank ``ranks[w]``.
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
-        self.stages = stages = list(stages)
+        if isinstance(stages, Stages):  # its ties come with it: none forgotten
+            ties = stages.ties if ties is None else ties
+        self.stages = stages = list(stages.stages if isinstance(stages, Stages) else stages)
         check_stages(stages)
         program = program_of(schedule, len(stages))
         # Validated and compiled once, before anything reads the placement.
@@ -237,7 +242,7 @@ class DistributedPipeline:
         built = fingerprint(self.ranks, self.worker, replicas, program, {
             "autodiff": autodiff, "grad_dtype": grad_dtype, "grad_reduce": grad_reduce,
             "state_reduce": state_reduce, "bucket_mb": bucket_mb,
-            "data parallel": replicas is not None}, ties, self.params, self.state)
+            "data parallel": replicas is not None}, self.params, self.state)
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
                                  self._compiled, replicas, built)
         self.group, self.wire = self.driver.group, self.driver.wire

@@ -36,3 +36,19 @@ def clipping(rank: int, world: int) -> dict:
         _, grads = pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None)
         out["pipeline"] = pipe.clip_grad_norm(grads, 0.1)
     return out
+
+
+def stages_value(rank: int, world: int) -> dict:
+    """A tied model cut by ``from_modules``, its ``Stages`` given to the pipeline as they are
+    (no ``ties=``): one step's gradients of the tied copies."""
+    from test_saving import Body, TiedLM, lm_loss
+
+    from fpipe.stages import from_modules
+
+    lm = TiedLM(3)
+    s = from_modules([Body(lm), lm.head], root=lm, stateful=False)
+    ids = torch.randint(0, 13, (4, 5), generator=torch.Generator().manual_seed(5))
+    with fdist.pipeline(s, {rank: s.params[rank]}, schedule=one_f_one_b(2),
+                        loss_fn=lm_loss) as pipe:
+        _, grads = pipe.value_and_grad(ids if rank == 0 else None, ids if rank == 1 else None)
+        return {"ties": pipe.ties, "found": s.ties, "grads": grads}

@@ -5,6 +5,7 @@ against ``torch.nn.utils.clip_grad_norm_`` on the whole model's gradients."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from clipping_ranks import GRADS, MAX_NORM
 from distributed_ranks import data, spawn
@@ -50,3 +51,40 @@ def test_clip_grad_norm_over_a_group_of_ranks_and_the_pipeline_s_own():
         for i, k in enumerate(sorted(mine[rank])):
             torch.testing.assert_close(mine[rank][k], pipe_clipped[2 * rank + i],
                                        rtol=1e-10, atol=1e-12)
+
+
+def test_the_pipeline_takes_the_stages_value_and_its_ties():
+    """``fdist.pipeline(s, ...)`` with the ``Stages`` of a tied model and no ``ties=``: the
+    tie found by ``from_modules`` is the pipeline's, so each copy's gradient is the sum of
+    both (before, forgetting ``ties=s.ties`` let the copies drift apart)."""
+    results, codes = spawn("clipping_ranks:stages_value", 2, timeout=120)
+    assert codes == [0, 0], results
+    assert all("crash" not in r for r in results), results
+    (a_stage, a_name), (b_stage, b_name) = results[0]["found"][0]
+    assert results[0]["ties"] == results[1]["ties"] == ((tuple(results[0]["found"][0][0]),
+                                                         tuple(results[0]["found"][0][1])),)
+    first = results[a_stage]["grads"][a_stage][a_name]
+    second = results[b_stage]["grads"][b_stage][b_name]
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_load_into_refuses_tied_copies_that_differ():
+    from test_saving import Body, TiedLM
+
+    from fpipe.stages import from_modules, load_into
+
+    lm = TiedLM(0)
+    s = from_modules([Body(lm), lm.head], root=lm, stateful=False)
+    (a_stage, a_name), (b_stage, b_name) = s.ties[0]
+    params = [{k: v.detach() + 1.0 for k, v in p.items()} for p in s.params]
+    params[b_stage][b_name] = params[b_stage][b_name] + 1e-3  # drifted apart
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    with pytest.raises(ValueError, match=f"stage {a_stage}'s '.*' and stage {b_stage}'s "
+                                         f"'.*' are copies of one tensor of the model"):
+        load_into(lm, params, names=s.names)
+    for k, v in lm.state_dict().items():
+        assert torch.equal(v, before[k]), k  # nothing written
+    params[b_stage][b_name] = params[a_stage][a_name].clone()
+    load_into(lm, params, names=s.names)
+    assert torch.equal(lm.head.weight, params[a_stage][a_name])
+    assert torch.equal(lm.hidden.weight, params[0]["hidden.weight"])

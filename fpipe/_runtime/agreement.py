@@ -4,7 +4,7 @@ Ranks built differently do not fail where they differ: replicas whose parameters
 shape abort inside the backend's first gradient reduction, ranks given other schedules deadlock
 or raise what looks like their stage's error. So every rank describes what must agree (its
 :class:`Fingerprint`: the program, its placement and micro-batch count, the step's options,
-the ties, and the trees, shapes and dtypes of the parameters and state of each stage it holds),
+and the trees, shapes and dtypes of the parameters and state of each stage it holds),
 the descriptions travel in the gather every rank makes anyway when a pipeline is built
 (:func:`fpipe._runtime.p2p.make_groups`), and :func:`check` compares them there, before any
 group exists. Every rank compares the same list in the same order, so a mismatch is one
@@ -12,7 +12,9 @@ group exists. Every rank compares the same list in the same order, so a mismatch
 and both values; nothing built differently reaches a collective.
 
 Ranks of one pipeline must agree on every shared field; replicas of a worker (its
-data-parallel group) on those and, stage by stage, on the parameters and state.
+data-parallel group) on those and, stage by stage, on the parameters and state. The tie map
+is compared by :mod:`fpipe._runtime.tie_groups`, alike on every rank too, before its groups
+are made.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fpipe._runtime.ties import parse
 from fpipe._runtime.trees import leaf_names
 from fpipe.errors import PlacementError
 from fpipe.schedules.actions import Program
@@ -48,7 +49,7 @@ class Fingerprint(NamedTuple):
 
 
 def fingerprint(ranks: tuple[int, ...], worker: int, replicas: tuple[int, ...] | None,
-                program: Program, options: Mapping[str, Any], ties: Any,
+                program: Program, options: Mapping[str, Any],
                 params: Mapping[int, Any], state: Mapping[int, Any] | None) -> Fingerprint:
     """This rank's :class:`Fingerprint`. ``options``: the step's options that every rank must
     give alike (autodiff, grad_dtype, the data-parallel reductions), by name."""
@@ -57,7 +58,7 @@ def fingerprint(ranks: tuple[int, ...], worker: int, replicas: tuple[int, ...] |
               *((f"worker {w}'s actions", " ".join(map(str, actions)))
                 for w, actions in enumerate(program.workers)),
               *((name, _plain(value)) for name, value in sorted(options.items())),
-              ("stateful", state is not None), ("ties", _ties(ties, program.n_stages)))
+              ("stateful", state is not None))
     held = tuple((f"stage {s}'s {what}", _tree(tree))
                  for s in sorted(params)
                  for what, tree in (("parameters", params[s]),
@@ -119,15 +120,6 @@ def _quote(value: Any, other: Any) -> str:
 def _plain(value: Any) -> Any:
     """An option as a plain value that compares across processes (a dtype by its name)."""
     return str(value) if isinstance(value, torch.dtype) else value
-
-
-def _ties(ties: Any, n_stages: int) -> Any:
-    """The tie map as plain tuples (lists and tuples alike); a bad map is left to the tie
-    check, which names its problem."""
-    try:
-        return tuple(tuple(tuple(member) for member in tie) for tie in parse(ties, n_stages))
-    except (TypeError, ValueError):
-        return "(not a valid tie map)"
 
 
 def _tree(tree: Any) -> Any:
