@@ -103,8 +103,10 @@ class RankDriver:
             header[5] = _size(target, "target", errors) + 1
             header[6] = _status(target, "target", errors)
         first_rank, last_rank = self.ranks[first], self.ranks[last]
+        self.faults.arrive(self.calls)
         self.faults.wait(dist.all_reduce(header, group=self.group, async_op=True),
-                         f"the batch size from rank {first_rank}", first_rank)
+                         f"every rank of the pipeline to start call {self.calls} (its header)",
+                         first_rank, late=lambda: self.faults.late(self.ranks, self.calls))
         n, seed, call_first, calls_first, input_status, target_size, target_status = (
             header.tolist())
         if input_status:
