@@ -214,6 +214,10 @@ MUTANTS = (
            "    request: dict[str, Any] = {_MODEL: {name: torch.empty_like(leaf)",
            "    request: dict[str, Any] = {_MODEL: {name: leaf",
            ("tests/test_saving_damage.py",)),
+    Mutant("a late rank's failure published as the waiting rank's", "_runtime/faults.py",
+           "record = (\"peer\", self.rank if culprit is None else culprit,",
+           "record = (\"peer\", self.rank,",
+           ("tests/test_culprit.py",)),
 )
 
 

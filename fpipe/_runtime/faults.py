@@ -24,6 +24,8 @@ from fpipe.errors import PeerError, StageError, Where, where
 __all__ = ["RankFaults", "at_rank"]
 
 _created = itertools.count()
+#: The most seconds a rank that timed out waits for the others to say whom they wait on.
+_CHAIN_S = 2.0
 
 
 class RankFaults:
@@ -94,6 +96,9 @@ class RankFaults:
         first rank's published failure if there is one, else what this rank saw. Every rank
         is stopped."""
         record = self._published()
+        if record is None and _timed_out(exc):
+            peer = self._culprit(peer)
+            record = self._published()  # it may have come while this rank looked
         waited_s = f"{self.timeout if waited is None else waited:.3g} s"
         if record is not None:
             kind, rank, f_stage, f_mb, op, type_name, message = record
@@ -112,6 +117,25 @@ class RankFaults:
                               f"waiting for {what}: {exc}", peer, stage, mb)
         self.stop_everyone(error)
         return error
+
+    def _culprit(self, peer: int) -> int:
+        """The rank at the end of the chain of waits from ``peer``: a rank that timed out
+        says in the store whom it waited on, gives the others a moment to say the same, then
+        follows the chain to a rank that waits on no one (late or hung), so every rank of a
+        chain names that rank, not its neighbour."""
+        try:
+            self.store.set(f"{self.prefix}/waiting/{self.rank}", str(peer))
+            time.sleep(min(_CHAIN_S, self.timeout / 5))
+            seen = {self.rank}
+            while peer not in seen:
+                seen.add(peer)
+                key = f"{self.prefix}/waiting/{peer}"
+                if not self.store.check([key]):
+                    return peer
+                peer = int(self.store.get(key))
+        except Exception:  # noqa: BLE001, S110 - the store's host may be gone: name the peer
+            pass
+        return peer
 
     def _published(self) -> tuple | None:
         try:
