@@ -27,8 +27,8 @@ import torch.distributed as dist
 from fpipe._runtime.gather import all_gather_objects
 from fpipe.errors import CheckpointError
 
-__all__ = ["SUMS", "checksum", "checksums", "dotted", "fresh", "files_whole", "verify",
-           "agreed", "read_failure"]
+__all__ = ["SUMS", "checksum", "checksums", "dotted", "fresh", "files_whole", "sums_request",
+           "verify", "agreed", "read_failure"]
 
 #: The top-level key under which a checkpoint's checksums are written, one per tensor key.
 SUMS = "fpipe_checksums"
