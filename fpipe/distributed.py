@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
+from fpipe._runtime.agreement import fingerprint
 from fpipe._runtime.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.engine import (
     check_options,
@@ -59,8 +60,10 @@ from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.tie_groups import TieGroups
 from fpipe.errors import NonFiniteLossError, PlacementError
+from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
+from fpipe.stages import Stages
 from fpipe.timeline import Recorder
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
@@ -131,7 +134,9 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
     once).
 
     Args:
-        stages: all the stage functions (functions are cheap; parameters are not).
+        stages: all the stage functions (functions are cheap; parameters are not), or the
+            :class:`fpipe.stages.Stages` that ``from_sequential`` / ``from_modules`` made,
+            whose ties are then the pipeline's (unless ``ties`` is given).
         params: ``{stage: pytree}`` for exactly the stages of :func:`my_stages`.
         schedule: as for :func:`fpipe.pipeline`; its program must have one worker per rank.
         loss_fn: ``loss_fn(y, target) -> scalar``, the mean loss over a micro-batch.
@@ -223,7 +228,9 @@ class DistributedPipeline:
         group, data_parallel = mesh_groups(group, mesh, data_parallel)
         #: The global rank of each worker: worker ``w`` runs on rank ``ranks[w]``.
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
-        self.stages = stages = list(stages)
+        if isinstance(stages, Stages):  # its ties come with it: none forgotten
+            ties = stages.ties if ties is None else ties
+        self.stages = stages = list(stages.stages if isinstance(stages, Stages) else stages)
         check_stages(stages)
         program = program_of(schedule, len(stages))
         # Validated and compiled once, before anything reads the placement.
@@ -252,8 +259,12 @@ class DistributedPipeline:
             concurrent=False)  # one thread a rank: every draw seeded
         DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
+        built = fingerprint(self.ranks, self.worker, replicas, program, {
+            "autodiff": autodiff, "grad_dtype": grad_dtype, "grad_reduce": grad_reduce,
+            "state_reduce": state_reduce, "bucket_mb": bucket_mb,
+            "data parallel": replicas is not None}, self.params, self.state)
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
-                                 self._compiled, replicas)
+                                 self._compiled, replicas, built)
         self.group, self.wire = self.driver.group, self.driver.wire
         self.data_parallel = None if data_parallel is None else self._replicas(
             replicas, grad_reduce, bucket_mb, state_reduce)
@@ -266,6 +277,8 @@ class DistributedPipeline:
                                self.device, self.wire, grad_dtype, timeout, self.driver.faults)
         self._results = Results(self.data_parallel, tie_groups, self.driver.faults,
                                 self.param_specs)
+        #: The tie map, checked alike on every rank, as ``(stage, name)`` pairs.
+        self.ties = tuple(tuple(tuple(member) for member in tie) for tie in tie_groups.ties)
 
     @property
     def chunks(self) -> int:
@@ -313,6 +326,19 @@ class DistributedPipeline:
         if self.stateful:
             return loss, grads, self._results.state(step, replica)
         return loss, grads
+
+    def global_norm(self, grads: Mapping[int, Any]) -> torch.Tensor:
+        """The 2-norm of the whole model's gradients, on every rank of the pipeline, from this
+        rank's ``{stage: grads}``: :func:`fpipe.optim.global_norm` with the pipeline's ties
+        and its group (a norm of this rank's gradients alone would clip each rank by
+        another factor). Collective over the pipeline's ranks."""
+        return global_norm(grads, ties=self.ties, group=self.group)
+
+    def clip_grad_norm(self, grads: Mapping[int, Any], max_norm: float,
+                       eps: float = 1e-6) -> tuple[Any, torch.Tensor]:
+        """:func:`fpipe.optim.clip_grad_norm` of this rank's ``{stage: grads}`` by the whole
+        model's norm (:meth:`global_norm`): ``(grads, norm)``, scaled in place. Collective."""
+        return clip_grad_norm(grads, max_norm, eps, ties=self.ties, group=self.group)
 
     def close(self) -> None:
         """Collective: wait until every rank of the pipeline (and of its data-parallel group)
@@ -393,14 +419,10 @@ class DistributedPipeline:
 
     def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None, bucket_mb: float,
                   state_reduce: str | None) -> DataParallel:
-        """The data-parallel reduction over fpipe's group on ``ranks``, checked to run this
-        worker of the same program on every replica."""
-        dp = DataParallel(self.driver.dp_group, ranks, grad_reduce,
-                          max(1, int(bucket_mb * 2**20)), self.wire, state_reduce)
-        self.driver.faults.guarded(lambda: dp.check_alike(
-            self.driver.faults, self.worker,
-            (self.program.n_workers, self.program.n_stages, self.chunks)))
-        return dp
+        """The data-parallel reduction over fpipe's group on ``ranks`` (its replicas were
+        checked to run this worker of the same program when the groups were made)."""
+        return DataParallel(self.driver.dp_group, ranks, grad_reduce,
+                            max(1, int(bucket_mb * 2**20)), self.wire, state_reduce)
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,

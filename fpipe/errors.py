@@ -112,3 +112,10 @@ class PeerError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.args[0], self.rank, self.stage, self.microbatch)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be loaded whole (a file missing, cut short or with bytes other
+    than those saved, a failure on another rank): nothing was written into the caller's
+    tensors or optimiser. The message names the file. (DCP's own ``CheckpointException``
+    derives from ``BaseException``; fpipe raises this instead, from it.)"""

@@ -81,7 +81,8 @@ def global_norm(grads: Any, *, ties: Any = (), group: Any = None) -> torch.Tenso
 def _counted(grads: Any, ties: Any) -> list[torch.Tensor]:
     """The gradient leaves a norm counts: every one but the copies of a tie after its first
     (lowest stage) member."""
-    copies = {member for tie in ties for member in sorted(tie)[1:]}
+    # Members as tuples: a tie map written with lists ([[0, "w"], [1, "h"]]) says the same.
+    copies = {tuple(member) for tie in ties for member in sorted(map(tuple, tie))[1:]}
     stages = stage_items(grads)
     if not copies:  # (optree skips None, a frozen or unused leaf's gradient)
         return [leaf for _, tree in stages for leaf in optree.tree_leaves(tree)]

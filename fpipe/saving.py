@@ -40,6 +40,17 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime import saved_groups, teardown
+from fpipe._runtime.intact import (
+    SUMS,
+    agreed,
+    checksums,
+    dotted,
+    files_whole,
+    fresh,
+    read_failure,
+    sums_request,
+    verify,
+)
 from fpipe._runtime.trees import leaf_names, stage_items
 
 __all__ = ["save", "load", "load_module", "names"]
@@ -166,6 +177,7 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
                                            in model.items()}}
     if optimizer is not None:
         state_dict[_OPTIM] = _flat_optimizer(optimizer, _optimizer_names(optimizer, model))
+    state_dict[SUMS] = checksums(state_dict)
     with _quiet():
         _dcp(process_group).save(state_dict, checkpoint_id=directory,
                                  storage_writer=storage_writer, process_group=process_group)
@@ -200,15 +212,52 @@ def _reader(directory: str | os.PathLike | None, storage_reader: Any) -> Any:
     return storage_reader
 
 
-def _metadata(reader: Any, directory: str | os.PathLike | None) -> dict[str, Any]:
-    """What the checkpoint holds: DCP key -> its storage metadata (size and dtype)."""
+def _where(reader: Any, directory: str | os.PathLike | None) -> str:
+    """The checkpoint's location, for messages."""
+    return os.fspath(directory) if directory is not None else str(
+        getattr(reader, "checkpoint_id", None) or type(reader).__name__)
+
+
+def _metadata(reader: Any, directory: str | os.PathLike | None) -> Any:
+    """DCP's ``Metadata`` of the checkpoint: ``state_dict_metadata`` says what it holds (DCP
+    key -> size and dtype), ``storage_data`` where."""
     try:
-        return reader.read_metadata().state_dict_metadata
+        return reader.read_metadata()
     except FileNotFoundError:
-        where = os.fspath(directory) if directory is not None else str(
-            getattr(reader, "checkpoint_id", None) or type(reader).__name__)
-        raise FileNotFoundError(f"no checkpoint in {where!r} (DCP's .metadata is missing)"
-                                ) from None
+        raise FileNotFoundError(f"no checkpoint in {_where(reader, directory)!r} (DCP's "
+                                f".metadata is missing)") from None
+
+
+def _dcp_load(request: dict, metadata: Any, directory: Any, reader: Any,
+              process_group: Any = None) -> None:
+    """``dcp.load``, its failures (``CheckpointException`` derives from ``BaseException``)
+    raised as :class:`fpipe.errors.CheckpointError`, naming the files it read."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with torch.no_grad(), _quiet():
+        try:
+            _dcp(process_group).load(request, checkpoint_id=directory, storage_reader=reader,
+                                     process_group=process_group)
+        except (CheckpointException, Exception) as exc:
+            keys = [".".join(map(str, path)) for path in
+                    optree.tree_paths(request, none_is_leaf=True)]
+            raise read_failure(exc, _where(reader, directory), metadata, reader,
+                               keys) from exc
+
+
+def _read_checked(request: dict, metadata: Any, directory: Any, reader: Any,
+                  process_group: Any) -> dict:
+    """``request`` (new tensors and placeholders) read, with the checksums of its tensors,
+    and checked against them on every rank before anything is returned."""
+    held = metadata.state_dict_metadata
+    sums = agreed(lambda: sums_request(held, list(dotted(request))), process_group)
+    if sums is not None:
+        request = {**request, SUMS: sums}
+    _dcp_load(request, metadata, directory, reader, process_group)
+    agreed(lambda: verify(dotted({k: v for k, v in request.items() if k != SUMS}),
+                          request.get(SUMS), metadata, reader, _where(reader, directory)),
+           process_group)
+    return request
 
 
 def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any]) -> None:
@@ -325,26 +374,29 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     the checks first); ``directory`` may then be ``None``, as with :func:`save`'s writer.
     """
     reader = _reader(directory, storage_reader)
-    held = _metadata(reader, directory)
+    metadata = _metadata(reader, directory)
+    held = metadata.state_dict_metadata
     model = _model_names(params, state, names)
-    _check_model(model, held)
+    agreed(lambda: (_check_model(model, held), files_whole(metadata, reader)), process_group)
 
-    def read(entries: dict[str, Any] | None, tensors: Any = None) -> Any:
-        """One ``dcp.load`` (collective) of optimiser entries and, when given, the tensors."""
-        request = {k: v for k, v in ((_MODEL, tensors), (_OPTIM, entries)) if v is not None}
-        with torch.no_grad(), _quiet():
-            _dcp(process_group).load(request, checkpoint_id=directory, storage_reader=reader,
-                                     process_group=process_group)
-        return request.get(_OPTIM)
+    def read(entries: dict[str, Any]) -> Any:
+        """One ``dcp.load`` (collective) of optimiser entries (hyper-parameters)."""
+        request = {_OPTIM: entries}
+        _dcp_load(request, metadata, directory, reader, process_group)
+        return request[_OPTIM]
 
-    tensors = {name: leaf for name, (_, leaf) in model.items()}
-    if optimizer is None:
-        read(None, tensors)
-        return params if state is None else (params, state)
-    order, hyper = _hyper_parameters(read, optimizer, _optimizer_names(optimizer, model), held,
-                                     ties, names)
-    saved = read(_state_request(order, held), tensors)
-    optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, saved, hyper))
+    request: dict[str, Any] = {_MODEL: {name: torch.empty_like(leaf)
+                                        for name, (_, leaf) in model.items()}}
+    if optimizer is not None:
+        order, hyper = _hyper_parameters(read, optimizer, _optimizer_names(optimizer, model),
+                                         held, ties, names)
+        request[_OPTIM] = _state_request(order, held)
+    got = _read_checked(request, metadata, directory, reader, process_group)
+    with torch.no_grad():  # all read and checked on every rank: now written
+        for name, (_, leaf) in model.items():
+            leaf.copy_(got[_MODEL][name])
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, got[_OPTIM], hyper))
     return params if state is None else (params, state)
 
 
@@ -364,7 +416,9 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
     )
 
     reader = _reader(directory, storage_reader)
-    held = _metadata(reader, directory)
+    metadata = _metadata(reader, directory)
+    held = metadata.state_dict_metadata
+    files_whole(metadata, reader)
     # torch reads the optimiser in the layout it asks for: the one the checkpoint has.
     nested = saved_groups.nested_groups(saved_groups.entries(held, f"{_OPTIM}."))
     options = StateDictOptions(flatten_optimizer_state_dict=not nested)
@@ -373,7 +427,7 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
     else:
         model, optim = get_state_dict(module, optimizer, options=options)
         state_dict = {_MODEL: model, _OPTIM: optim}
-    with _quiet():
-        _dcp().load(state_dict, checkpoint_id=directory, storage_reader=reader)
+    # Read into new tensors, checked whole, before torch copies them into the module.
+    state_dict = _read_checked(fresh(state_dict), metadata, directory, reader, None)
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)

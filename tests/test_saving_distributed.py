@@ -70,3 +70,26 @@ def test_replicas_write_their_tensors_once(tmp_path, monkeypatch):
     for stage, p in enumerate(params):
         g = torch.Generator().manual_seed(stage)
         assert torch.equal(p["w"], torch.randn(64, 64, generator=g, dtype=torch.float64))
+
+
+def test_a_damaged_tensor_on_one_rank_loads_nothing_on_any(tmp_path, monkeypatch):
+    """Rank 1's tensor overwritten in its file: rank 1 finds its checksum wrong after the
+    read, and rank 0, whose tensor is intact, writes nothing either (the ranks agree before
+    any writes); both raise CheckpointError naming the file. Before, rank 0 loaded its part."""
+    import os
+
+    monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
+    ranks("damage_ranks:save_two", 2)
+    storage = FileSystemReader(str(tmp_path)).read_metadata().storage_data
+    (index, info), = [(i, s) for i, s in storage.items() if i.fqn == "model.layer1.w"]
+    path = os.path.join(tmp_path, info.relative_path)
+    with open(path, "r+b") as file:
+        file.seek(info.offset + info.length // 2)
+        file.write(bytes(range(64)))
+    for rank, result in enumerate(ranks("damage_ranks:load_two", 2)):
+        assert result["untouched"], rank
+        kind, message = result["error"]
+        assert kind == "CheckpointError", result
+        assert info.relative_path in message, message
+        if rank == 0:
+            assert "rank 1 could not load the checkpoint, so no rank did" in message

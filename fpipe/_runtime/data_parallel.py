@@ -84,22 +84,6 @@ class DataParallel:
                                  f"{list(ranks)}")
         return ranks
 
-    def check_alike(self, faults: RankFaults, worker: int, shape: Sequence[int]) -> None:
-        """Refuse replicas that differ: every rank of the group must run the same worker of
-        the same shape of program (``shape``: workers, stages, micro-batches)."""
-        mine = torch.tensor([worker, *shape], dtype=torch.int64, device=self.wire)
-        found = [torch.empty_like(mine) for _ in self.ranks]
-        faults.wait(dist.all_gather(found, mine, group=self.group, async_op=True),
-                    "its data-parallel replicas to build their pipelines", self.peer)
-        for rank, theirs in zip(self.ranks, found):
-            if not torch.equal(theirs, mine):
-                w, *other = theirs.tolist()
-                raise PlacementError(
-                    f"rank {dist.get_rank()} runs worker {worker} of a program of "
-                    f"{list(shape)} (workers, stages, micro-batches) but rank {rank} of its "
-                    f"data_parallel group runs worker {w} of {other}: a data-parallel group "
-                    f"holds the same worker of every replica")
-
     def total(self, n: int, chunks: int, faults: RankFaults) -> int:
         """The global batch size; a BatchError on every replica if any shard is too small."""
         sizes = torch.tensor([n, int(n < chunks)], dtype=torch.int64, device=self.wire)

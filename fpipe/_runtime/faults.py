@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -23,6 +24,8 @@ from fpipe.errors import PeerError, StageError, Where, where
 __all__ = ["RankFaults", "at_rank"]
 
 _created = itertools.count()
+#: The most seconds a rank that timed out waits for the others to say whom they wait on.
+_CHAIN_S = 2.0
 
 
 class RankFaults:
@@ -34,9 +37,11 @@ class RankFaults:
         self.rank = rank
         self.timeout = timeout
         self.store = dist.distributed_c10d._get_default_store()
-        # Named by the pipeline's ranks too: replicas' pipelines share the store.
-        members = "-".join(map(str, ranks))
-        self.key = f"fpipe/pipeline{next(_created)}/{members}/failure"
+        # One record for the pipelines every rank builds at once (replicas too: they are
+        # built together, so this count agrees), so a failure in one replica is the one every
+        # rank of every replica names.
+        self.prefix = f"fpipe/pipeline{next(_created)}"
+        self.key = f"{self.prefix}/failure"
         self.groups: list[Any] = []
         self.broken: BaseException | None = None
 
@@ -50,19 +55,51 @@ class RankFaults:
             raise
 
     def wait(self, work: Any, what: str, peer: int, stage: int | None = None,
-             microbatch: int | None = None) -> None:
+             microbatch: int | None = None, late: Callable[[], list[int]] | None = None) -> None:
         """Wait for ``work`` at most ``timeout`` seconds; a failure raises the error that
-        :meth:`failure_from` makes (after stopping every rank)."""
+        :meth:`failure_from` makes (after stopping every rank), quoting the time waited.
+        ``late``: for a collective, which ranks never came to it (:meth:`late`), named
+        instead of ``peer`` when it times out."""
+        started = time.monotonic()
         try:
             work.wait(timedelta(seconds=self.timeout))
         except Exception as exc:
-            raise self.failure_from(peer, what, stage, microbatch, exc) from exc
+            waited = time.monotonic() - started
+            if late is not None and _timed_out(exc):
+                peer = next(iter(late()), peer)
+            raise self.failure_from(peer, what, stage, microbatch, exc, waited) from exc
+
+    def arrive(self, call: int) -> None:
+        """Say in the store that this rank came to call ``call``'s first collective, so that
+        a rank that waits there in vain can name the ranks that did not (:meth:`late`)."""
+        try:
+            self.store.set(f"{self.prefix}/at/{self.rank}", str(call))
+        except Exception:  # noqa: BLE001, S110 - only a better message is lost
+            pass
+
+    def late(self, ranks: tuple[int, ...], call: int) -> list[int]:
+        """The ranks of ``ranks`` that have not come to call ``call`` (:meth:`arrive`)."""
+        found = []
+        for rank in ranks:
+            key = f"{self.prefix}/at/{rank}"
+            try:
+                there = self.store.check([key]) and int(self.store.get(key)) >= call
+            except Exception:  # noqa: BLE001 - the store's host may be gone: name none
+                return []
+            if not there:
+                found.append(rank)
+        return found
 
     def failure_from(self, peer: int, what: str, stage: int | None, mb: int | None,
-                     exc: Exception) -> Exception:
-        """The error to raise after a wait on ``peer`` failed: the first rank's published
-        failure if there is one, else what this rank saw. Every rank is stopped."""
+                     exc: Exception, waited: float | None = None) -> Exception:
+        """The error to raise after a wait on ``peer`` failed (after ``waited`` seconds): the
+        first rank's published failure if there is one, else what this rank saw. Every rank
+        is stopped."""
         record = self._published()
+        if record is None and _timed_out(exc):
+            peer = self._culprit(peer)
+            record = self._published()  # it may have come while this rank looked
+        waited_s = f"{self.timeout if waited is None else waited:.3g} s"
         if record is not None:
             kind, rank, f_stage, f_mb, op, type_name, message = record
             said = f"rank {rank} failed, so rank {self.rank} stopped while waiting for {what}: "
@@ -72,14 +109,33 @@ class RankFaults:
                     f_stage, f_mb, op, rank)
             else:
                 error = PeerError(f"{said}{type_name}: {message}", rank, f_stage, f_mb)
-        elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            error = PeerError(f"rank {self.rank} waited {self.timeout:g} s for {what} and got "
-                              f"nothing: rank {peer} is stuck or gone", peer, stage, mb)
+        elif _timed_out(exc):
+            error = PeerError(f"rank {self.rank} waited {waited_s} for {what} and got "
+                              f"nothing: rank {peer} is late, stuck or gone", peer, stage, mb)
         else:
-            error = PeerError(f"rank {self.rank} lost rank {peer} while waiting for {what}: "
-                              f"{exc}", peer, stage, mb)
+            error = PeerError(f"rank {self.rank} lost rank {peer} after {waited_s} while "
+                              f"waiting for {what}: {exc}", peer, stage, mb)
         self.stop_everyone(error)
         return error
+
+    def _culprit(self, peer: int) -> int:
+        """The rank at the end of the chain of waits from ``peer``: a rank that timed out
+        says in the store whom it waited on, gives the others a moment to say the same, then
+        follows the chain to a rank that waits on no one (late or hung), so every rank of a
+        chain names that rank, not its neighbour."""
+        try:
+            self.store.set(f"{self.prefix}/waiting/{self.rank}", str(peer))
+            time.sleep(min(_CHAIN_S, self.timeout / 5))
+            seen = {self.rank}
+            while peer not in seen:
+                seen.add(peer)
+                key = f"{self.prefix}/waiting/{peer}"
+                if not self.store.check([key]):
+                    return peer
+                peer = int(self.store.get(key))
+        except Exception:  # noqa: BLE001, S110 - the store's host may be gone: name the peer
+            pass
+        return peer
 
     def _published(self) -> tuple | None:
         try:
@@ -95,15 +151,17 @@ class RankFaults:
 
         A failure located in a stage (:func:`~fpipe.errors.where`: the stage's own exception
         or a :class:`StageError`) is published as a stage failure of the rank where it was
-        raised; anything else as this rank's failure. Either keeps the type and message."""
+        raised; a :class:`PeerError` as a failure of the rank it names; anything else as this
+        rank's failure. Each keeps the type and message."""
         self.broken = error
         at = where(error)
         if at is not None:
             record = ("stage", self.rank if at.rank is None else at.rank, at.stage,
                       at.microbatch, at.op)
-        else:
-            record = ("peer", self.rank, getattr(error, "stage", None),
-                      getattr(error, "microbatch", None), None)
+        else:  # a PeerError names the rank at fault (late, stuck or gone), not this one
+            culprit = getattr(error, "rank", None) if isinstance(error, PeerError) else None
+            record = ("peer", self.rank if culprit is None else culprit,
+                      getattr(error, "stage", None), getattr(error, "microbatch", None), None)
         record += (type(error).__name__, str(error))
         try:
             self.store.compare_set(self.key, "", pickle.dumps(record))
@@ -111,6 +169,10 @@ class RankFaults:
             pass
         for group in self.groups:
             dist.distributed_c10d._abort_process_group(group)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
 
 
 def at_rank(error: BaseException, rank: int) -> BaseException:

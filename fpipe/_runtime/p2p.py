@@ -48,6 +48,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fpipe._runtime import agreement
+from fpipe._runtime.agreement import Fingerprint
 from fpipe._runtime.autodiff import Value
 from fpipe._runtime.faults import RankFaults
 from fpipe._runtime.gather import all_gather_objects
@@ -74,7 +76,7 @@ class Groups(NamedTuple):
 
 
 def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Sequence[int] | None,
-                backend: str, timeout: float, wire: torch.device) -> Groups:
+                backend: str, timeout: float, wire: torch.device, built: Fingerprint) -> Groups:
     """This rank's groups: over its pipeline's ``ranks`` (worker ``w`` is ``ranks[w]``), two per
     direction of each pair of workers in ``pairs`` (``values`` carries one message per value,
     ``grown`` only the values larger than announced), and over its data-parallel ``replicas``.
@@ -83,11 +85,13 @@ def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Seq
     first learns what every other needs (one gather of objects over the world), then all
     make every pipeline's groups in one sorted order: replicas building their pipelines at once
     can neither wait on each other's groups nor pair with the wrong ones. Then this rank
-    connects its links."""
+    connects its links. ``built``, what this rank built, travels in that gather and is
+    compared with every other rank's there (:func:`fpipe._runtime.agreement.check`), before
+    any group is made."""
     me = dist.get_rank()
     needs = tuple(sorted({(ranks[a], ranks[b]) for x, y in pairs if x != y
                           for a, b in ((x, y), (y, x))}))
-    mine = (tuple(ranks), needs, None if replicas is None else tuple(sorted(replicas)))
+    mine = (tuple(ranks), needs, None if replicas is None else tuple(sorted(replicas)), built)
     everyone = all_gather_objects(
         mine, timeout=timeout,
         waiting_for="every rank of the job to build its pipeline: building is collective over "
@@ -98,6 +102,7 @@ def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Seq
             raise ValueError(f"two pipelines share ranks {sorted(set(a) & set(b))}: their "
                              f"groups are {list(a)} and {list(b)}; a rank runs one worker of "
                              f"one pipeline")
+    agreement.check([theirs[3] for theirs in everyone])
     options = {"backend": backend, "timeout": timedelta(seconds=timeout)}
     own = dp = None
     for group_ranks in pipelines:

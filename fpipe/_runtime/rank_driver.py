@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
+from fpipe._runtime.agreement import Fingerprint
 from fpipe._runtime.autodiff import flatten
 from fpipe._runtime.data_parallel import GradReduce
 from fpipe._runtime.engine import output_cotangents
@@ -48,11 +49,12 @@ class RankDriver:
 
     ``rank`` is this rank's worker (its index in ``ranks``, the global rank of each worker);
     everything a step does is in workers, and only messages and ``torch.distributed`` calls
-    name global ranks."""
+    name global ranks. ``built``: what this rank built, compared with every rank's before any
+    group is made (:mod:`fpipe._runtime.agreement`)."""
 
     def __init__(self, ranks: tuple[int, ...], program: Program, interpreter: Interpreter,
                  device: torch.device, timeout: float, plans: dict,
-                 replicas: tuple[int, ...] | None = None) -> None:
+                 replicas: tuple[int, ...] | None, built: Fingerprint) -> None:
         self.ranks = ranks
         self.rank = ranks.index(dist.get_rank())
         self.program, self.interpreter = program, interpreter
@@ -66,7 +68,7 @@ class RankDriver:
         pairs |= {(owners[a], owners[b]) for a, b in interpreter.routes.values()}
         # fpipe's own groups: aborting them on failure leaves the caller's group to the caller.
         self.group, self.links, self.dp_group = make_groups(ranks, pairs, replicas, backend,
-                                                            timeout, self.wire)
+                                                            timeout, self.wire, built)
         self.faults.groups = [self.group, *(g for pair in self.links.values() for g in pair)]
         if self.dp_group is not None:
             self.faults.groups.append(self.dp_group)
@@ -101,8 +103,10 @@ class RankDriver:
             header[5] = _size(target, "target", errors) + 1
             header[6] = _status(target, "target", errors)
         first_rank, last_rank = self.ranks[first], self.ranks[last]
+        self.faults.arrive(self.calls)
         self.faults.wait(dist.all_reduce(header, group=self.group, async_op=True),
-                         f"the batch size from rank {first_rank}", first_rank)
+                         f"every rank of the pipeline to start call {self.calls} (its header)",
+                         first_rank, late=lambda: self.faults.late(self.ranks, self.calls))
         n, seed, call_first, calls_first, input_status, target_size, target_status = (
             header.tolist())
         if input_status:

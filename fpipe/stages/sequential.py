@@ -190,17 +190,35 @@ def load_into(target: nn.Module | Sequence[nn.Module], params: Sequence[Tensors]
             raise ValueError(f"got {len(modules)} modules but {len(params)} parameter dicts")
     if state is not None and len(state) != len(params):
         raise ValueError(f"got {len(params)} parameter dicts but {len(state)} state dicts")
-    with torch.no_grad():
-        for i, module in enumerate(modules):
-            own = dict(module.named_parameters(remove_duplicate=False))
-            own.update(module.named_buffers(remove_duplicate=False))
-            values = dict(params[i])
-            values.update(state[i] if state is not None else {})
-            for name, value in values.items():
-                if name not in own:
-                    raise KeyError(f"stage {i}'s {name!r} is not a parameter or buffer of "
-                                   f"{type(module).__name__}")
-                own[name].copy_(value)
+    writes = _writes(modules, params, state)
+    with torch.no_grad():  # every value checked first: nothing is written on an error
+        for target_tensor, value, _ in writes:
+            target_tensor.copy_(value)
+
+
+def _writes(modules: list, params: Sequence[Tensors],
+            state: Sequence[Tensors] | None) -> list[tuple[torch.Tensor, Any, str]]:
+    """``(module tensor, value, where)`` for every value of every stage, refusing a name the
+    module lacks and a tensor given two different values (tied copies that drifted apart:
+    their model has one tensor, which cannot hold both)."""
+    writes, seen = [], {}
+    for i, module in enumerate(modules):
+        own = dict(module.named_parameters(remove_duplicate=False))
+        own.update(module.named_buffers(remove_duplicate=False))
+        values = dict(params[i])
+        values.update(state[i] if state is not None else {})
+        for name, value in values.items():
+            if name not in own:
+                raise KeyError(f"stage {i}'s {name!r} is not a parameter or buffer of "
+                               f"{type(module).__name__}")
+            where = f"stage {i}'s {name!r}"
+            first = seen.setdefault(id(own[name]), (value, where))
+            if first[0] is not value and not torch.equal(first[0].to(value.device), value):
+                raise ValueError(f"{first[1]} and {where} are copies of one tensor of the "
+                                 f"model (tied) but hold different values: were the tie's "
+                                 f"gradients summed (ties=s.ties)? Nothing was loaded")
+            writes.append((own[name], value, where))
+    return writes
 
 
 def check_balance(balance: Sequence[int], n_layers: int) -> list[int]:

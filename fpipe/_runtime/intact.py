@@ -1,0 +1,152 @@
+"""A checkpoint read whole and checked before anything is written (``fpipe.saving``'s load).
+
+DCP reads into the tensors it is given, so a shard cut short, deleted or overwritten would
+leave a model half loaded, or loaded with wrong bytes and no error. fpipe's checkpoints carry a
+checksum of every tensor (``fpipe_checksums.<key>``: CRC-32 of its bytes, written by
+``save``); a load reads into new tensors, checks the files are there and long enough, checks
+every checksum, and only then copies into the caller's tensors. On several ranks each check
+ends in an agreement (one gather of objects): a problem on any rank is raised on every rank,
+so none writes while another refuses, and none waits in a collective the others left.
+
+A checkpoint without checksums (written by plain ``torch.distributed.checkpoint``) is read
+and checked for keys, shapes and dtypes only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fpipe._runtime.gather import all_gather_objects
+from fpipe.errors import CheckpointError
+
+__all__ = ["SUMS", "checksum", "checksums", "dotted", "fresh", "files_whole", "sums_request",
+           "verify", "agreed", "read_failure"]
+
+#: The top-level key under which a checkpoint's checksums are written, one per tensor key.
+SUMS = "fpipe_checksums"
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """CRC-32 of ``tensor``'s bytes, as stored (the same on every device and process)."""
+    flat = tensor.detach().cpu().contiguous()
+    size = flat.numel() * flat.element_size()
+    return zlib.crc32(ctypes.string_at(flat.data_ptr(), size)) if size else 0
+
+
+def dotted(state_dict: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of a (nested) state dict by its DCP key: its path joined by dots."""
+    paths, leaves, _ = optree.tree_flatten_with_path(state_dict, none_is_leaf=True)
+    return {".".join(map(str, path)): leaf for path, leaf in zip(paths, leaves)
+            if isinstance(leaf, torch.Tensor)}
+
+
+def checksums(state_dict: dict) -> dict[str, int]:
+    """What ``save`` writes under :data:`SUMS`: each tensor's DCP key -> its checksum."""
+    return {key: checksum(tensor) for key, tensor in dotted(state_dict).items()}
+
+
+def fresh(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a new empty one like it, for DCP to read into."""
+    return optree.tree_map(lambda leaf: torch.empty_like(leaf)
+                           if isinstance(leaf, torch.Tensor) else leaf, tree,
+                           none_is_leaf=True)
+
+
+def _files(metadata: Any, reader: Any) -> dict[str, tuple[str, int]]:
+    """Each DCP key of a checkpoint in a local directory -> (its file, the bytes it needs
+    there); other storage (fsspec, object stores) is named by its location."""
+    root = getattr(reader, "path", None)
+    found: dict[str, tuple[str, int]] = {}
+    if (root is None or not os.path.isdir(os.fspath(root))  # a local directory's files only
+            or not getattr(metadata, "storage_data", None)):
+        return found
+    for index, info in metadata.storage_data.items():
+        path = os.path.join(os.fspath(root), info.relative_path)
+        end = info.offset + info.length
+        found[index.fqn] = (path, max(end, found.get(index.fqn, ("", 0))[1]))
+    return found
+
+
+def files_whole(metadata: Any, reader: Any) -> None:
+    """Raise :class:`CheckpointError` for a file of the checkpoint that is missing or shorter
+    than its entries say (file-system checkpoints; other storage is checked as it is read)."""
+    ends: dict[str, int] = {}
+    for path, end in _files(metadata, reader).values():
+        ends[path] = max(end, ends.get(path, 0))
+    for path, end in sorted(ends.items()):
+        if not os.path.exists(path):
+            raise CheckpointError(f"the checkpoint's file {path!r} is missing")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(f"the checkpoint's file {path!r} is cut short: {size} bytes "
+                                  f"of the {end} its entries need")
+
+
+def sums_request(held: dict[str, Any], keys: list[str]) -> dict[str, None] | None:
+    """The checksums to read for ``keys`` (``None`` for a checkpoint without any); a key
+    without one in a checkpoint that has them is damage."""
+    prefix = f"{SUMS}."
+    if not any(name.startswith(prefix) for name in held):
+        return None
+    missing = [key for key in keys if prefix + key not in held]
+    if missing:
+        raise CheckpointError(f"the checkpoint has no checksum for {missing[:3]}: its metadata "
+                              f"does not match what was saved")
+    return dict.fromkeys(keys)
+
+
+def verify(read: dict[str, torch.Tensor], saved: dict[str, int] | None, metadata: Any,
+           reader: Any, where: str) -> None:
+    """Raise :class:`CheckpointError` naming the file of the first tensor read whose checksum
+    is not the one saved."""
+    if saved is None:
+        return
+    files = _files(metadata, reader)
+    for key, tensor in read.items():
+        if checksum(tensor) != saved[key]:
+            place = files.get(key, (where, 0))[0]
+            raise CheckpointError(f"{key!r} in the checkpoint's file {place!r} does not hold "
+                                  f"the bytes saved (its checksum differs): the file is damaged")
+
+
+def read_failure(error: BaseException, where: str, metadata: Any, reader: Any,
+                 keys: list[str]) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a ``BaseException``) as a :class:`CheckpointError`
+    naming the files that hold ``keys``, the entries that were being read."""
+    files = _files(metadata, reader)
+    held = sorted({files[key][0] for key in keys if key in files})
+    named = f" from {', '.join(map(repr, held[:4]))}{' ...' if len(held) > 4 else ''}"
+    return CheckpointError(f"reading the checkpoint in {where!r}{named if held else ''} "
+                           f"failed: {error}")
+
+
+def agreed(check: Callable[[], Any], group: Any) -> Any:
+    """``check()`` on every rank of ``group`` (a process group; ``None``: the world, when
+    one is initialised), its failure raised on every rank: on its own as itself, on the others
+    as a :class:`CheckpointError` naming the rank and what it raised."""
+    try:
+        result, failure = check(), None
+    except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised
+        result, failure = None, exc
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        if failure is not None:
+            raise failure
+        return result
+    said = None if failure is None else f"{type(failure).__name__}: {failure}"
+    everyone = all_gather_objects(said, group=group)
+    if failure is not None:
+        raise failure
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
+    for rank, theirs in zip(ranks, everyone):
+        if theirs is not None:
+            raise CheckpointError(f"rank {rank} could not load the checkpoint, so no rank "
+                                  f"did: {theirs}")
+    return result
