@@ -26,6 +26,7 @@ import optree
 import torch
 
 from fpipe._runtime.trees import leaf_names
+from fpipe._runtime.values import frozen
 from fpipe.errors import PlacementError
 from fpipe.schedules.actions import Program
 
@@ -123,12 +124,13 @@ def _plain(value: Any) -> Any:
 
 
 def _tree(tree: Any) -> Any:
-    """A tree's structure and, per leaf, its name, shape and dtype (non-tensor leaves by
-    their type)."""
+    """A tree's structure and, per leaf, its name, shape and dtype, and whether it is frozen
+    (replicas must differentiate the same leaves: their gradient buckets must line up);
+    non-tensor leaves by their type."""
     if tree is None:
         return None
     leaves = optree.tree_leaves(tree)
     return (str(optree.tree_structure(tree)),
-            tuple((name, tuple(leaf.shape), str(leaf.dtype)) if isinstance(leaf, torch.Tensor)
-                  else (name, type(leaf).__name__)
+            tuple((name, tuple(leaf.shape), str(leaf.dtype), *(("frozen",) * frozen(leaf)))
+                  if isinstance(leaf, torch.Tensor) else (name, type(leaf).__name__)
                   for name, leaf in zip(leaf_names(tree), leaves)))
