@@ -19,7 +19,7 @@ from fpipe.schedules import gpipe, one_f_one_b
 SAID = {
     "width": ("stage 1's parameters", "(8, 8)", "(6, 6)"),
     "dtype": ("stage 0's parameters", "torch.float64", "torch.float32"),
-    "order": ("worker 0's actions", "'0F0 0F1 0B0 0B1'", "'0F0 0F1 0R0 0B0 0B1'"),
+    "order": ("worker 0's actions", "'0F0 0F1 0B0 0B1'", "'0F0 0F1 0B0 0R1 0B1'"),
     "chunks": ("different chunks", "2", None),
     "autodiff": ("different autodiff", "'autograd'", "'func'"),
     "grad_dtype": ("different grad_dtype", "'torch.float32'", "None"),
