@@ -278,7 +278,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=min(2, cores), help="K (default 2)")
     p.add_argument("--chunks", type=int, default=8, help="M (default 8)")
-    p.add_argument("--budget-mb", type=float, help="the budget (default 128; 16 in quick)")
+    p.add_argument("--budget-mb", type=float, help="the budget (default 128; 8 in quick)")
     p.add_argument("--model", type=int, nargs=3, metavar=("LAYERS", "WIDTH", "BATCH"),
                    help="another model size than the mode's")
     p.add_argument("--no-distributed", action="store_true",
@@ -292,7 +292,7 @@ def main() -> None:
     if k > cores:
         notes.append(f"{k} workers on {cores} cores: oversubscribed (memory is still right, "
                      f"but slow)")
-    model = Model(*(args.model or ((8, 128, 1024) if args.quick else (16, 256, 4096))))
+    model = Model(*(args.model or ((8, 64, 512) if args.quick else (16, 256, 4096))))
     params = model.params()
     x, target = model.data()
 
@@ -349,8 +349,8 @@ def main() -> None:
                      "sim_total_MB": sum(sim.peak_bytes) / MB,
                      "sim_per_worker_MB": max(sim.peak_bytes) / MB})
     # -- the largest model in a budget
-    budget = (args.budget_mb or (16 if args.quick else 128)) * MB
-    width, batch = (64, 1024) if args.quick else (128, 2048)
+    budget = (args.budget_mb or (8 if args.quick else 128)) * MB
+    width, batch = (64, 512) if args.quick else (128, 2048)
     tol = 0.25 if args.quick else 0.03
     local_peak(width, batch, m, [device0], 2)  # warm-up
     budget_rows = []
