@@ -11,7 +11,7 @@ from culprit_ranks import TIMEOUT
 from distributed_ranks import spawn
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # (2 ranks: test_distributed's silent rank; CI time)
 def test_a_late_rank_is_named_by_every_rank(world):
     results, codes = spawn("culprit_ranks:late", world, timeout=120)
     assert codes == [0] * world, results
