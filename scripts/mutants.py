@@ -10,6 +10,7 @@ is no longer in its file is reported *stale*: the list must follow the code.
     python scripts/mutants.py --quick    # the quick subset (CI)
     python scripts/mutants.py --list     # names only
     python scripts/mutants.py --only "state averaged"   # those whose name holds this text
+    python scripts/mutants.py --jobs 1   # one at a time (default: two at once)
 
 Exit status 0 only if every mutant run is caught.
 """
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +85,7 @@ MUTANTS = (
            ("tests/test_amp.py",)),
     Mutant("every micro-batch draws the same dropout mask", "_runtime/rng.py",
            "_mix(seed, stage, microbatch, i)", "_mix(seed, stage, 0, i)",
-           ("tests/test_rng.py", "tests/test_pipeline.py"), quick=True),
+           ("tests/test_rng.py", "tests/test_pipeline.py")),
     Mutant("a recompute given the state after its forward", "_runtime/instructions.py",
            "step.saved[stage, microbatch] = (inputs, state, drawing.drew)",
            "step.saved[stage, microbatch] = (inputs, step.state[stage], drawing.drew)",
@@ -103,14 +105,14 @@ MUTANTS = (
     Mutant("the caller's autocast not carried into workers", "_runtime/interpreter.py",
            "_NOTHING if step.context is None else step.context.applied(step.training)",
            "_NOTHING",
-           ("tests/test_thread_state.py",), quick=True),
+           ("tests/test_thread_state.py",)),
     Mutant("in-place writes not watched", "_runtime/autodiff.py",
            "            if tensor._version != version:", "            if False:",
            ("tests/test_purity.py",), quick=True),
     Mutant("the last stage's batch size not checked", "_runtime/adapters.py",
            "if mb.size is not None:  # the last stage keeps the micro-batch too",
            "if False:",
-           ("tests/test_errors.py",), quick=True),
+           ("tests/test_errors.py",)),
     Mutant("the backward half waits on the caller's thread", "_runtime/driver.py",
            "inline=program.placement[-1])", "inline=0)",
            ("tests/test_concurrency.py",)),
@@ -146,7 +148,7 @@ MUTANTS = (
     # -- the simulator, memory, choice and builder ------------------------------------------------
     Mutant("split-backward halves defaulted beside a given backward", "schedules/costs.py",
            "half = _map(lambda b: b / 2.0, self.backward)", "half = 1.0",
-           ("tests/test_costs.py",), quick=True),
+           ("tests/test_costs.py",)),
     Mutant("a per-stage transfer charged at the receiving stage", "schedules/simulate.py",
            "start = max(start, spans[need].end + costs.carry(need.stage))",
            "start = max(start, spans[need].end + costs.carry(action.stage))",
@@ -180,18 +182,18 @@ MUTANTS = (
     Mutant("recomputes counted as useful work", "schedules/simulate.py",
            "bubble=1.0 - breakdown.useful if total > 0 else 0.0,",
            "bubble=breakdown.idle if total > 0 else 0.0,",
-           ("tests/test_costs.py",), quick=True),
+           ("tests/test_costs.py",)),
     Mutant("a pair to be recomputed keeps all its activations", "schedules/memory.py",
            'kept = memory.of("inputs" if pair in recomputed else "activations", stage)',
            'kept = memory.of("activations", stage)',
-           ("tests/test_memory.py",), quick=True),
+           ("tests/test_memory.py",)),
     Mutant("choose_schedule ignores the budget", "schedules/search.py",
            "fitting = [t for t in trials if t.fits]", "fitting = list(trials)",
            ("tests/test_search.py::test_memory_decides_when_time_does_not",), quick=True),
     Mutant("list_schedule ignores the in-flight cap", "schedules/builder.py",
            "        if action.op is not F:\n            return True\n        w, m =",
            "        if True:\n            return True\n        w, m =",
-           ("tests/test_built_schedules.py",), quick=True),
+           ("tests/test_built_schedules.py",)),
     Mutant("DualPipeV's main step without its first-stage backward", "schedules/dualpipe.py",
            "            self.add(second, F)\n            self.add(first, B)\n        for _ in "
            "range(k - 1 - w):  # 5",
@@ -371,6 +373,9 @@ def main() -> int:
                         help="only the mutants whose name contains TEXT")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds per mutant (a hang counts as caught)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="mutants run at once, each in its own scratch copy (default 2: "
+                             "their test runs mostly wait on processes and threads)")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if (m.quick or not args.quick)
               and (args.only is None or args.only in m.name)]
@@ -380,10 +385,11 @@ def main() -> int:
         return 0
     bad = 0
     print(f"{'result':<8} {'s':>6}  mutant")
-    for mutant in chosen:
-        result, spent = run(mutant, args.timeout)
-        bad += result != "caught"
-        print(f"{result:<8} {spent:6.1f}  {mutant.name}", flush=True)
+    with ThreadPoolExecutor(max(args.jobs, 1)) as pool:  # results printed in list order
+        for mutant, (result, spent) in zip(chosen, pool.map(
+                lambda m: run(m, args.timeout), chosen)):
+            bad += result != "caught"
+            print(f"{result:<8} {spent:6.1f}  {mutant.name}", flush=True)
     print(f"{len(chosen) - bad} caught, {bad} missed or stale, of {len(chosen)} mutants")
     return 1 if bad else 0
 
