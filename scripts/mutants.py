@@ -326,7 +326,7 @@ MUTANTS = (
     Mutant("replicas' parameters not compared at build", "_runtime/agreement.py",
            "fields = [*a.shared, *(a.held if held else ())]",
            "fields = [*a.shared, *(b.held if held else ())]",
-           ("tests/test_agreement.py::test_a_mesh_whose_ranks_differ_is_refused_alike_at_build",)),
+           ("tests/test_agreement.py::test_ranks_that_differ_are_refused_alike_at_build[mesh-4-180-cases0]",)),
     Mutant("a checkpoint's checksums not verified", "_runtime/intact.py",
            "        if checksum(tensor) != saved[key]:",
            "        if False:",

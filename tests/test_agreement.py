@@ -50,19 +50,14 @@ def _loss_is_the_whole_batch(results: list) -> None:
         torch.testing.assert_close(result["loss"], expected, rtol=1e-10, atol=1e-12)
 
 
-def test_a_mesh_whose_ranks_differ_is_refused_alike_at_build():
-    results, codes = spawn("agreement_ranks:mesh", 4, timeout=180)
-    assert codes == [0] * 4, results
+@pytest.mark.parametrize("scenario, world, timeout, cases", [
+    ("mesh", 4, 180, MESH_CASES),  # a (dp=2, pp=2) mesh: replicas and pipeline ranks
+    ("two", 2, 120, PIPELINE_CASES)])  # one pipeline on 2 ranks
+def test_ranks_that_differ_are_refused_alike_at_build(scenario, world, timeout, cases):
+    results, codes = spawn(f"agreement_ranks:{scenario}", world, timeout=timeout)
+    assert codes == [0] * world, results
     assert all("crash" not in r for r in results), results
-    _refused_alike(results, MESH_CASES)
-    _loss_is_the_whole_batch(results)
-
-
-def test_a_pipeline_whose_ranks_differ_is_refused_alike_at_build():
-    results, codes = spawn("agreement_ranks:two", 2, timeout=120)
-    assert codes == [0] * 2, results
-    assert all("crash" not in r for r in results), results
-    _refused_alike(results, PIPELINE_CASES)
+    _refused_alike(results, cases)
     _loss_is_the_whole_batch(results)
 
 

@@ -16,7 +16,7 @@ import torch
 from fpipe._runtime.adapters import Core, MicroBatch
 from fpipe._runtime.reentrant import check_no_reentrant_checkpoint
 from fpipe._runtime.split_backward import split_vjp
-from fpipe._runtime.values import Value, check_output, describe, flatten
+from fpipe._runtime.values import Value, check_output, describe, flatten, placed
 from fpipe._runtime.vjp import autograd_vjp, func_vjp
 from fpipe.errors import StageError
 
@@ -86,10 +86,9 @@ class StageCall:
         them (see :mod:`fpipe._runtime.vjp`)."""
         index = [value.grad_index for value in inputs] if self.grad_input else [()] * len(inputs)
         side: list = []  # what leaves the transform beside the differentiated outputs
-        whole = _whole(params, trainable)
 
         def flat(param_leaves: list, grad_leaves: list):
-            param_leaves = whole(param_leaves)
+            param_leaves = placed(params, trainable, param_leaves)  # the frozen ones back
             trees, k = [], 0
             for value, where in zip(inputs, index):
                 full = value.leaves
@@ -172,20 +171,6 @@ def _requiring(value: Value) -> Any:
     for i in value.grad_index:
         leaves[i] = leaves[i].detach().requires_grad_()
     return optree.tree_unflatten(value.spec, leaves)
-
-
-def _whole(params: list, trainable: tuple[int, ...] | None) -> Callable[[list], list]:
-    """``whole(differentiated) -> every parameter leaf``: the frozen leaves of ``params`` put
-    back beside the differentiated ones, in their places."""
-    if trainable is None:
-        return lambda leaves: leaves
-
-    def whole(leaves: list) -> list:
-        full = list(params)
-        for i, leaf in zip(trainable, leaves):
-            full[i] = leaf
-        return full
-    return whole
 
 
 def _split_outputs(outs: list[Value]) -> tuple[list, list]:

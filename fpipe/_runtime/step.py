@@ -12,7 +12,7 @@ import torch
 from fpipe._runtime.adapters import MicroBatch
 from fpipe._runtime.split_backward import SplitVJP
 from fpipe._runtime.thread_state import ThreadState
-from fpipe._runtime.values import Value, trainable
+from fpipe._runtime.values import Value, placed, trainable
 from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
@@ -177,13 +177,7 @@ class GradSums:
         """Every parameter leaf of ``stage`` as the step's vjps see it: the trainable ones the
         step's own leaves (:meth:`leaves`, requiring grad), the frozen ones as they are. What
         a forward without a graph runs on (see ``StageCall.forward``)."""
-        made, index = self.leaves(stage, params), self.trainable[stage]
-        if index is None:
-            return made
-        full = list(params)
-        for i, leaf in zip(index, made):
-            full[i] = leaf
-        return full
+        return placed(params, self.trainable[stage], self.leaves(stage, params))
 
     def add(self, stage: int, grads: list, dtype: torch.dtype | None = None) -> None:
         """Add one micro-batch's gradients. Called inside the device's compute scope: the sums
@@ -246,13 +240,7 @@ class GradSums:
                 [_plus(a, b) for a, b in zip(total, accumulated)]
         if total is None:
             return None
-        index = self.trainable[stage]
-        if index is None:
-            return total
-        full: list = [None] * len(self.params[stage])
-        for i, grad in zip(index, total):
-            full[i] = grad
-        return full
+        return placed([None] * len(self.params[stage]), self.trainable[stage], total)
 
 
 def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

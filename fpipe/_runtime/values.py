@@ -16,8 +16,8 @@ import torch
 from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import StageError
 
-__all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "trainable",
-           "check_output", "describe"]
+__all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "placed",
+           "trainable", "check_output", "describe"]
 
 
 def differentiable(leaf: Any) -> bool:
@@ -40,6 +40,17 @@ def param_leaves(tree: Any) -> list:
     :func:`trainable` still sees it."""
     return [leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
             for leaf in optree.tree_leaves(tree)]
+
+
+def placed(base: list, index: tuple[int, ...] | None, leaves: list) -> list:
+    """``base`` with ``leaves`` put at ``index`` (a stage's trainable leaves among all its
+    parameter leaves; ``None``: ``leaves`` are all of them, returned as they are)."""
+    if index is None:
+        return leaves
+    full = list(base)
+    for i, leaf in zip(index, leaves):
+        full[i] = leaf
+    return full
 
 
 def trainable(leaves: list) -> tuple[int, ...] | None:
