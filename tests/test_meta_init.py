@@ -301,3 +301,26 @@ def test_a_seed_gives_the_same_weights_in_every_layout(init):
     other, _ = gpt_values((3,), [(0,), (1,)], 4, init)
     drawn = [n for n in expected if n.endswith("weight") and "ln" not in n]
     assert len(drawn) == 10 and not any(torch.equal(other[n], expected[n]) for n in drawn)
+
+
+def test_from_sequential_seeds_by_the_layer_names_whatever_the_balance():
+    """A meta ``nn.Sequential`` cut by any balance, held in any part, gives each layer the
+    values the rule gives the layer called ``"2"`` of the Sequential."""
+    def build():
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3), nn.LayerNorm(3))
+
+    torch.manual_seed(9)
+    base = int(torch.randint(0, 2**62, ()))
+    expected = build()
+    for name, sub in expected.named_modules():
+        if hasattr(sub, "reset_parameters"):
+            torch.manual_seed(seed_of(base, name))
+            sub.reset_parameters()
+    for balance, held in (([4], None), ([1, 3], [1]), ([2, 1, 1], [0, 2]), ([3, 1], [0])):
+        with torch.device("meta"):
+            model = build()
+        torch.manual_seed(9)
+        s = from_sequential(model, balance, held=held)
+        for i in held or [0]:
+            for name, value in s.params[i].items():
+                assert torch.equal(value, expected.get_parameter(name)), (balance, name)
