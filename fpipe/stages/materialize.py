@@ -57,10 +57,14 @@ def place_stages(modules: Sequence[nn.Module], devices: Sequence[torch.device],
                          f"got {init!r}")
     on_meta = [_on_meta(i, m) for i, m in enumerate(modules)]
     made_here = {i for i in held if on_meta[i]}
+    # The shared tensors with a copy made here that another owner's value must fill.
+    shared = [group for group in _shared(modules) if any(s in made_here for s, _ in group[1:])]
     if init == "reset_parameters":
         for i in sorted(made_here):
             _check_initialisers(i, modules[i])
-    shared = _shared(modules)
+        for (first, name), *_ in shared:
+            if first not in made_here:  # initialised here as a scratch copy
+                _check_initialisers(first, _owner(modules[first], name)[0])
     made = {i: _materialize(modules[i], devices[i]) for i in sorted(made_here)}
     if init is not None and any(on_meta):
         _initialise_all(modules, devices, names, made_here, shared, init, draw_base())
@@ -77,21 +81,19 @@ def _initialise_all(modules: Sequence[nn.Module], devices: Sequence[torch.device
                     shared: list[tuple[Member, ...]], init: Init, base: int) -> None:
     """Every submodule of the stages made here, each under its own seed; then each shared
     tensor's copies made here set to its first owner's value."""
-    wanted = [group for group in shared if any(s in made_here for s, _ in group[1:])]
     values: dict[Member, torch.Tensor] = {}
-    for group in wanted:  # first owners elsewhere: a scratch copy of each, initialised here
+    for group in shared:  # first owners elsewhere: a scratch copy of each, initialised here
         first, name = group[0]
         if first not in made_here:
             owner, attr = _owner(modules[first], name)
             scratch = copy.deepcopy(owner)  # on meta, as that stage is not made here
-            _materialize(scratch, devices[next(s for s, _ in group if s in made_here)])
-            if init == "reset_parameters":
-                _check_initialisers(first, scratch)
+            device = devices[next(s for s, _ in group if s in made_here)]
+            _materialize(scratch, device)
             for sub, original in zip(scratch.modules(), owner.modules()):
-                _call(sub, init, names[first][id(original)], base, devices[first])
+                _call(sub, init, names[first][id(original)], base, device)
             values[group[0]] = getattr(scratch, attr).detach()
     firsts: dict[int, list[tuple[Member, str]]] = {}  # id(owner) -> its first members
-    for group in wanted:
+    for group in shared:
         if group[0][0] in made_here:
             owner, attr = _owner(modules[group[0][0]], group[0][1])
             firsts.setdefault(id(owner), []).append((group[0], attr))
@@ -105,7 +107,7 @@ def _initialise_all(modules: Sequence[nn.Module], devices: Sequence[torch.device
             for member, attr in firsts.get(id(sub), ()):  # before a later owner overwrites it
                 values[member] = getattr(sub, attr).detach().clone()
     with torch.no_grad():
-        for group in wanted:
+        for group in shared:
             for s, name in group:
                 if s in made_here:
                     owner, attr = _owner(modules[s], name)
