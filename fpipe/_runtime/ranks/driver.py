@@ -1,9 +1,9 @@
 """The :class:`RankDriver`: one rank's part of every step of a distributed pipeline, as the
 :class:`~fpipe._runtime.driver.LocalDriver` is the local face's. It owns fpipe's process groups
 (:mod:`fpipe._runtime.ranks.p2p`), the failure state (:mod:`fpipe._runtime.ranks.faults`)
-and the compiled programs, and runs a step in lockstep with the other ranks: a header all-reduced by every rank
-(see :meth:`RankDriver.header`), this rank's actions, the loss broadcast from the rank of the
-last stage."""
+and the compiled programs, and runs a step in lockstep with the other ranks: a header
+all-reduced by every rank (see :meth:`RankDriver.header`), this rank's actions, the loss
+broadcast from the rank of the last stage."""
 
 from __future__ import annotations
 
