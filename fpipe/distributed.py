@@ -64,6 +64,7 @@ from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.stages import Stages
+from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
@@ -256,7 +257,8 @@ class DistributedPipeline:
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
-            concurrent=False)  # one thread a rank: every draw seeded
+            concurrent=False,  # one thread a rank: every draw seeded
+            skips=declared(stages))
         DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         built = fingerprint(self.ranks, self.worker, replicas, program, {
