@@ -60,8 +60,9 @@ class Costs:
     two costs one after the other, as fpipe runs them, on one stream; ``"max"`` the longer of
     the two, as where they truly overlap (DeepSeek's two streams, communication hidden).
 
-    ``unmeasured`` names the op costs that :meth:`from_timeline` derived rather than measured;
-    :func:`~fpipe.schedules.simulate` warns when it prices a recompute with such costs (a
+    ``unmeasured`` holds ``(name, stage)`` for each op cost that :meth:`from_timeline` derived
+    rather than measured (``stage`` ``None`` once the costs are for the whole model);
+    :func:`~fpipe.schedules.simulate` warns when it prices a recompute with such a cost (a
     recompute measured 1.3-1.9x a forward where costs assumed one forward).
 
     ``per="stage"`` (the default) gives the costs of one stage; ``per="model"`` those of the
@@ -82,18 +83,22 @@ class Costs:
     latency: float = 0.0
     per: str = "stage"
     overlap: str = "sum"
-    unmeasured: frozenset[str] = frozenset()
+    unmeasured: frozenset[tuple[str, int | None]] = frozenset()
 
     def __post_init__(self) -> None:
         if self.per not in SCOPES:
             raise ValueError(f"costs.per must be 'stage' or 'model', got {self.per!r}")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"costs.overlap must be 'sum' or 'max', got {self.overlap!r}")
-        unknown = set(self.unmeasured) - set(COMPUTE)
-        if isinstance(self.unmeasured, str) or unknown:
-            raise ValueError(f"costs.unmeasured names op costs among {', '.join(COMPUTE)}, "
-                             f"got {self.unmeasured!r}")
-        object.__setattr__(self, "unmeasured", frozenset(self.unmeasured))
+        try:
+            unmeasured = frozenset((name, stage) for name, stage in self.unmeasured)
+        except (TypeError, ValueError):
+            unmeasured = None
+        if unmeasured is None or any(name not in COMPUTE or not (
+                stage is None or isinstance(stage, int)) for name, stage in unmeasured):
+            raise ValueError(f"costs.unmeasured holds (op cost's name, stage) pairs, names "
+                             f"among {', '.join(COMPUTE)}, got {self.unmeasured!r}")
+        object.__setattr__(self, "unmeasured", unmeasured)
         for field in fields(self):
             value = getattr(self, field.name)
             if field.name not in ("per", "overlap", "unmeasured") and value is not None:
@@ -187,7 +192,8 @@ class Costs:
             return sum(cost) if isinstance(cost, tuple) else cost * n_stages
 
         return replace(stage, per="model", **{name: total(getattr(stage, name))
-                                              for name in COMPUTE})
+                                              for name in COMPUTE},
+                       unmeasured=frozenset((name, None) for name, _ in stage.unmeasured))
 
     @classmethod
     def from_timeline(cls, *timelines: Sequence[Sequence[object]], n_stages: int | None = None,
@@ -241,8 +247,8 @@ class Costs:
             for name in COMPUTE:
                 ops[name].append(getattr(stage, name))
         overhead, latency = _gaps(timelines, n_stages, average)
-        unmeasured = {name for op, name in zip((F, B, I, W, R), COMPUTE)
-                      if any((op, s) not in durations_of for s in range(n_stages))}
+        unmeasured = {(name, s) for op, name in zip((F, B, I, W, R), COMPUTE)
+                      for s in range(n_stages) if (op, s) not in durations_of}
         return cls(**{name: tuple(values) for name, values in ops.items()},
                    overhead=overhead, latency=latency, unmeasured=frozenset(unmeasured))
 

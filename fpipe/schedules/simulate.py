@@ -146,10 +146,14 @@ def simulate(program: Program, costs: Costs | None = None,
 
 
 def _warn_unmeasured(program: Program, costs: Costs) -> None:
-    if "recompute" in costs.unmeasured and any(
-            a.op is R for actions in program.workers for a in actions):
+    unmeasured = {stage for name, stage in costs.unmeasured if name == "recompute"}
+    if not unmeasured:
+        return
+    guessed = next((a for actions in program.workers for a in actions
+                    if a.op is R and ({a.stage, None} & unmeasured)), None)
+    if guessed is not None:
         warnings.warn(
-            "simulate prices a recompute (R) with costs that never measured one: "
+            f"simulate prices a recompute ({guessed}) with costs that never measured one: "
             "costs.recompute was taken as the forward's, while a recompute measures 1.3-1.9x a "
             "forward; fit the costs to a step that recomputes too (e.g. recorded with "
             "remat='always'), or give recompute=", UnmeasuredCostWarning, stacklevel=3)

@@ -96,10 +96,10 @@ def validate(program: Program, *, training: bool = True) -> Program:
         raise ScheduleError("no-workers", "a program needs at least one worker")
     try:
         _check_ranges(program)
+        _check_overlaps(program)
         _check_placement(program)
         _check_exactly_once(program, training)
         _check_worker_order(program)
-        _check_overlaps(program)
         execution_order(program)
     except ScheduleError as error:
         if error.context:
