@@ -226,7 +226,7 @@ def _exit_at_once(results_queue) -> None:
     gloo's worker threads release a finished collective's tensors after the caller's ``wait()``
     returns, and that release needs the GIL: one still pending when the teardown begins aborts
     the process ("terminate called without an active exception"; pytorch#179291). fpipe's exit
-    hook (``fpipe/_runtime/teardown.py``) gives them a moment, which a loaded machine can
+    hook (``fpipe/_runtime/ranks/teardown.py``) gives them a moment, which a loaded machine can
     outlast; a rank whose work is done has nothing to tear down, so it skips the teardown."""
     results_queue.close()
     results_queue.join_thread()  # the result is in the pipe

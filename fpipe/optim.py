@@ -18,7 +18,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.gather import collective_device
+from fpipe._runtime.ranks.gather import collective_device
 from fpipe._runtime.trees import leaf_names, stage_items
 
 __all__ = ["bind_grads", "sgd", "global_norm", "clip_grad_norm"]

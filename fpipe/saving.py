@@ -39,8 +39,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime import saved_groups, teardown
-from fpipe._runtime.intact import (
+from fpipe._runtime.ranks import saved_groups, teardown
+from fpipe._runtime.ranks.intact import (
     SUMS,
     agreed,
     checksums,

@@ -164,7 +164,7 @@ def closing(rank: int, world: int) -> dict:
 def unclosed(rank: int, world: int) -> dict:
     """A pipeline never closed, kept alive by a reference cycle past the script's end: the
     exit hook drops its groups while the interpreter still runs."""
-    from fpipe._runtime import teardown
+    from fpipe._runtime.ranks import teardown
 
     schedule, full = fdist_schedule("1f1b", 2), mlp_params(2)
     full[1]["b"] = full[0]["b"].clone()

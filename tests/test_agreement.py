@@ -11,7 +11,7 @@ from agreement_ranks import MESH_CASES, PIPELINE_CASES
 from distributed_ranks import data, spawn
 from models import block, mlp_params, mse, whole_batch
 
-from fpipe._runtime.agreement import check, fingerprint
+from fpipe._runtime.ranks.agreement import check, fingerprint
 from fpipe.errors import PlacementError
 from fpipe.schedules import gpipe, one_f_one_b
 

@@ -125,7 +125,7 @@ def test_a_damaged_checkpoint_loads_nothing_into_a_module(saved, damage):
 
 
 def test_the_checksum_is_of_the_bytes_on_any_layout():
-    from fpipe._runtime.intact import checksum
+    from fpipe._runtime.ranks.intact import checksum
 
     x = torch.arange(12, dtype=torch.float64).reshape(3, 4)
     assert checksum(x) == checksum(x.t().contiguous().t().contiguous())

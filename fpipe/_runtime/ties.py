@@ -4,7 +4,7 @@ first stage and the output head that reuses it on the last), held as one copy pe
 The copies stay equal if every copy's gradient is the SUM of all the copies' gradients, which
 is the gradient of the one shared tensor: an optimiser step applied alike to each copy then
 leaves them equal. This module reads and checks a tie map (``ties=`` of both faces) and sums
-gradients across the stages one process holds; :mod:`fpipe._runtime.tie_groups` adds the sum
+gradients across the stages one process holds; :mod:`fpipe._runtime.ranks.tie_groups` adds the sum
 across ranks.
 
 A tie map is an iterable of ties, each an iterable of at least two ``(stage, name)`` pairs,

@@ -21,7 +21,7 @@ replicas. Per step, in this order on every rank of that group (so collectives pa
 The sum of share-weighted means is the mean over the global batch, whatever the shards' sizes,
 so every replica returns the same loss and gradients, and an optimiser step applied alike keeps
 the replicas equal. Everything goes over fpipe's own group on the same ranks as the caller's,
-which a failure aborts (:mod:`fpipe._runtime.faults`) without touching the caller's.
+which a failure aborts (:mod:`fpipe._runtime.ranks.faults`) without touching the caller's.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.faults import RankFaults
 from fpipe._runtime.microbatch import check_size
+from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Op

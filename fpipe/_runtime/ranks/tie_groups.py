@@ -3,7 +3,7 @@ hold its members, by ``all_reduce(SUM)`` over a process group of just those rank
 
 Built collectively with the pipeline. Every rank reads the tie map and checks what it holds
 (:mod:`fpipe._runtime.ties`), then every rank learns every other rank's findings in one
-gather of objects (:mod:`fpipe._runtime.gather`): a bad tie map, a map that differs between
+gather of objects (:mod:`fpipe._runtime.ranks.gather`): a bad tie map, a map that differs between
 ranks, or members on two ranks whose shape or dtype differ raise the same error on every
 rank, before any group exists (never one rank raising while the others wait). Copies on one
 rank are compared there; copies on several are compared once, at build, by a MAX and a MIN
@@ -26,9 +26,9 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.faults import RankFaults
-from fpipe._runtime.gather import all_gather_objects
-from fpipe._runtime.rank_driver import backend_for
+from fpipe._runtime.ranks.driver import backend_for
+from fpipe._runtime.ranks.faults import RankFaults
+from fpipe._runtime.ranks.gather import all_gather_objects
 from fpipe._runtime.ties import assign, check_local, describe, parse, slots, targets, total
 
 __all__ = ["TieGroups"]
@@ -84,7 +84,8 @@ class TieGroups:
         """Copies of a tie on several ranks must start equal (they stay equal only if they
         do): each bucket's values are reduced by MAX and by MIN over its group and compared,
         element by element; then every rank of the job learns of every mismatch (one
-        gather of objects (:mod:`fpipe._runtime.gather`)), so all raise alike. Once, at build."""
+        gather of objects (:mod:`fpipe._runtime.ranks.gather`)), so all raise alike. Once, at
+        build."""
         leaves = {s: optree.tree_leaves(tree) for s, tree in params.items()}
         differ = []
         for bucket in self.buckets:

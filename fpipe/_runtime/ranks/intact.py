@@ -24,7 +24,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.gather import all_gather_objects
+from fpipe._runtime.ranks.gather import all_gather_objects
 from fpipe.errors import CheckpointError
 
 __all__ = ["SUMS", "checksum", "checksums", "dotted", "fresh", "files_whole", "sums_request",

@@ -2,7 +2,7 @@
 the global batch, its gradients' reduction, its loss and its state made alike on every replica;
 then the tied leaves' gradients summed across stages and ranks. All of it happens here, in one
 order, after the rank's actions (the gradient buckets are launched during them, by
-:meth:`fpipe._runtime.rank_driver.RankDriver.run`, and waited for here)."""
+:meth:`fpipe._runtime.ranks.driver.RankDriver.run`, and waited for here)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import optree
 import torch
 
 from fpipe._runtime import microbatch
-from fpipe._runtime.data_parallel import DataParallel, GradReduce
-from fpipe._runtime.faults import RankFaults
+from fpipe._runtime.ranks.data_parallel import DataParallel, GradReduce
+from fpipe._runtime.ranks.faults import RankFaults
+from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe._runtime.step import Step
-from fpipe._runtime.tie_groups import TieGroups
 
 __all__ = ["Replica", "Results"]
 

@@ -9,8 +9,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-from fpipe._runtime.faults import RankFaults
-from fpipe._runtime.teardown import OPEN, used
+from fpipe._runtime.ranks.faults import RankFaults
+from fpipe._runtime.ranks.teardown import OPEN, used
 
 __all__ = ["Calls"]
 
@@ -19,7 +19,7 @@ class Calls:
     """One pipeline's call state on this rank: ``pending`` is the step a ``vjp`` began (until
     its ``vjp_fn`` runs), ``closed`` whether ``close()`` ran. ``forget()`` drops the
     pipeline's references to its process groups: after ``close()``, and at the interpreter's
-    exit for a pipeline never closed (:mod:`fpipe._runtime.teardown`)."""
+    exit for a pipeline never closed (:mod:`fpipe._runtime.ranks.teardown`)."""
 
     def __init__(self, faults: RankFaults, forget: Callable[[], None]) -> None:
         self.faults, self.forget = faults, forget

@@ -48,11 +48,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime import agreement
-from fpipe._runtime.agreement import Fingerprint
 from fpipe._runtime.autodiff import Value
-from fpipe._runtime.faults import RankFaults
-from fpipe._runtime.gather import all_gather_objects
+from fpipe._runtime.ranks import agreement
+from fpipe._runtime.ranks.agreement import Fingerprint
+from fpipe._runtime.ranks.faults import RankFaults
+from fpipe._runtime.ranks.gather import all_gather_objects
 from fpipe._runtime.workers import Aborted
 from fpipe.errors import PeerError, StageError
 from fpipe.schedules.actions import Op
@@ -86,7 +86,7 @@ def make_groups(ranks: Sequence[int], pairs: set[tuple[int, int]], replicas: Seq
     make every pipeline's groups in one sorted order: replicas building their pipelines at once
     can neither wait on each other's groups nor pair with the wrong ones. Then this rank
     connects its links. ``built``, what this rank built, travels in that gather and is
-    compared with every other rank's there (:func:`fpipe._runtime.agreement.check`), before
+    compared with every other rank's there (:func:`fpipe._runtime.ranks.agreement.check`), before
     any group is made."""
     me = dist.get_rank()
     needs = tuple(sorted({(ranks[a], ranks[b]) for x, y in pairs if x != y

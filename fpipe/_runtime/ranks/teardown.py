@@ -20,7 +20,7 @@ import weakref
 
 __all__ = ["OPEN", "used"]
 
-#: The call states (:class:`~fpipe._runtime.rank_calls.Calls`) of every distributed pipeline
+#: The call states (:class:`~fpipe._runtime.ranks.calls.Calls`) of every distributed pipeline
 #: of this process not yet closed: each has a ``forget()``.
 OPEN: weakref.WeakSet = weakref.WeakSet()
 #: Seconds given to gloo's worker threads at exit, GIL released.
