@@ -13,8 +13,8 @@ from models import TIGHT, assert_trees_close, block, mlp_params, mse, whole_batc
 import fpipe
 from fpipe._runtime.instructions import KINDS, compiled
 from fpipe.schedules import (
-    B,
     Action,
+    B,
     Costs,
     Overlap,
     Program,

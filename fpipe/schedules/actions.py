@@ -151,8 +151,9 @@ class Program:
     ``workers[w]`` is worker ``w``'s tuple of actions. Actions may be given as ``Action`` values
     or as strings like ``"0F0"``, and a forward overlapped with a backward as an
     :class:`Overlap` (or ``"(0F1;1B0)OVERLAP_F_B"``): ``workers`` then holds its two actions in
-    order and ``overlaps`` the pair (pairs may also be given there, by their actions). Which worker holds which stage follows from the actions; see
-    :attr:`placement`. A program is immutable and hashable, and it is its own schedule:
+    order and ``overlaps`` the pair (pairs may also be given there, by their actions). Which
+    worker holds which stage follows from the actions; see :attr:`placement`. A program is
+    immutable and hashable, and it is its own schedule:
     ``program.program(n_stages)`` returns it, so a hand-written program can be passed wherever a
     schedule is expected.
     """
