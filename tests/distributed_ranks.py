@@ -165,6 +165,8 @@ def cases(world: int) -> list[tuple]:
              [tree_batch(6, 5, seed=5), tree_batch(5, 9, seed=6)]),
             ("interleaved", [block] * 4, interleaved_program(), [data(6, 8, seed=7)]),
             ("zero-bubble-v", [block] * 4, fdist_schedule("zbv", 3), [data(7, 8, seed=9)]),
+            # DeepSeek's pairs: a forward waits on its rank for its backward's gradient
+            ("dual-pipe-v", [block] * 4, fdist_schedule("dualpipev", 5), [data(7, 8, seed=11)]),
         ]
     else:
         result += [
@@ -176,8 +178,9 @@ def cases(world: int) -> list[tuple]:
 
 
 def fdist_schedule(name: str, chunks: int):
-    from fpipe.schedules import gpipe, one_f_one_b, zero_bubble, zero_bubble_v
-    makes = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble, "zbv": zero_bubble_v}
+    from fpipe.schedules import dual_pipe_v, gpipe, one_f_one_b, zero_bubble, zero_bubble_v
+    makes = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble, "zbv": zero_bubble_v,
+             "dualpipev": dual_pipe_v}
     return makes[name](chunks)
 
 
