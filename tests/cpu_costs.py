@@ -3,8 +3,9 @@ other jobs the wall clock says more about the neighbours than about the test.
 
 ``FPIPE_TEST_COSTS=costs.txt python -m pytest ...`` (tests/conftest.py loads these hooks when
 the variable is set) writes a table sorted by CPU: per test the CPU seconds of the test process
-and of the children it waited for (ranks, ``torchrun``, scripts; ``getrusage`` of ``SELF`` and
-``CHILDREN``) over setup, call and teardown, and the wall seconds. Under pytest-xdist each
+and of its children (ranks, ``torchrun``, scripts: ``getrusage`` of ``SELF`` and ``CHILDREN``
+for those it waited for, /proc for those still running, a fork server) over setup, call and
+teardown, and the wall seconds. Under pytest-xdist each
 worker measures its tests and the controller writes the table. On an idle machine a test run
 alone takes about max(CPU, what it waits for) of wall time; the suite under ``-n 2`` about its
 total CPU over 2 where the waits overlap.
@@ -25,7 +26,33 @@ _rows: list[tuple[float, float, str, str]] = []
 def _cpu() -> float:
     own, children = (resource.getrusage(who) for who in
                      (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return (own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+            + _descendants_cpu())
+
+
+def _descendants_cpu() -> float:
+    """The CPU seconds so far of the descendants still running (a fork server and the ranks
+    it forked and reaped; getrusage counts only children this process waited for)."""
+    parent, ticks = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            parent[int(entry)] = int(fields[1])
+            ticks[int(entry)] = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    mine, total = {os.getpid()}, 0
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parent.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                total += ticks[pid]
+                changed = True
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

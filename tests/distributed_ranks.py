@@ -3,10 +3,18 @@
 Ranks join a gloo group on 127.0.0.1 whose store the parent process hosts, so the store outlives
 any rank. Each scenario returns plain data (tensors, numbers, error fields) that the parent
 checks against the single-process driver and whole-batch ``torch.func``.
+
+Ranks are forked from a server that has imported torch and fpipe once (``forkserver``): a fresh
+interpreter spends about 4.5 CPU seconds importing torch and the ``torch.func`` machinery, most
+of what a small scenario costs, and the suite starts about a hundred ranks. A forked rank then
+ends as an interpreter does (it waits for its non-daemon threads, then runs the ``atexit``
+hooks) and with the parent's environment as it was at the spawn. ``fresh=True`` starts fresh
+interpreters instead (``spawn``), for a scenario about the interpreter's own exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import os
@@ -31,20 +39,29 @@ from fpipe.stages import skippable
 # -- the harness ---------------------------------------------------------------------------------
 
 
+#: What the fork server imports once for every forked rank (``torch._dynamo``: what the first
+#: ``torch.func`` call of a process would load, 2 of its 4.5 CPU seconds).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fpipe", "fpipe.distributed"]
+
+
 def spawn(scenario: str, world: int, timeout: float = 60.0, backend: str = "gloo",
-          bind_device: bool = False) -> tuple[list, list[int]]:
+          bind_device: bool = False, fresh: bool = False) -> tuple[list, list[int]]:
     """Run ``scenario`` on ``world`` ranks; returns each rank's result (None if it sent none)
     and exit code. Every child is reaped, killed if it outlives ``timeout`` seconds of the
     load-scaled clock (tests/patience.py: healthy ranks on a busy machine are not killed).
 
     With ``backend="nccl"`` rank ``r`` uses ``cuda:r``; ``bind_device`` passes it as
-    ``device_id`` too, which makes NCCL create communicators eagerly."""
+    ``device_id`` too, which makes NCCL create communicators eagerly. ``fresh``: each rank a
+    new interpreter, which exits as a script does (the module's docstring)."""
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=patience.limit(timeout)))
-    context = mp.get_context("spawn")
+    context = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        context.set_forkserver_preload(PRELOAD)  # read when the server starts, once
     queue = context.SimpleQueue()
+    environ = None if fresh else dict(os.environ)
     ranks = [context.Process(target=_main, args=(scenario, rank, world, store.port, queue,
-                                                 backend, bind_device),
+                                                 backend, bind_device, environ),
                              daemon=True) for rank in range(world)]
     for process in ranks:
         process.start()
@@ -61,7 +78,10 @@ def spawn(scenario: str, world: int, timeout: float = 60.0, backend: str = "gloo
 
 
 def _main(scenario: str, rank: int, world: int, port: int, queue, backend: str,
-          bind_device: bool) -> None:
+          bind_device: bool, environ: dict | None) -> None:
+    if environ is not None:  # forked: the server's environment is the one it started with
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(1)
     # The first torch.func call of a process loads much of torch (seconds on a busy CI
     # machine); do it before the clock of any timeout starts.
@@ -82,6 +102,9 @@ def _main(scenario: str, rank: int, world: int, port: int, queue, backend: str,
         result = {"crash": traceback.format_exc()}
     queue.put((rank, pickle.dumps(result)))
     dist.destroy_process_group()  # every group, before the interpreter's teardown
+    if environ is not None:  # forked: exit as the interpreter would, which os._exit skips
+        threading._shutdown()  # waits for non-daemon threads (a leaked one hangs the rank)
+        atexit._run_exitfuncs()
 
 
 #: This rank's store (the parent's), for scenarios that join a new default group.

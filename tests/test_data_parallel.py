@@ -200,7 +200,7 @@ def test_close_then_destroy_process_group_is_safe_and_later_calls_raise():
 
 
 def test_a_pipeline_never_closed_lets_go_of_its_groups_at_exit():
-    results, codes = spawn("data_parallel_ranks:unclosed", 2, timeout=120)
+    results, codes = spawn("data_parallel_ranks:unclosed", 2, timeout=120, fresh=True)
     _ok(results, codes)  # and both processes exited cleanly
     for result in results:
         assert result["before"]
