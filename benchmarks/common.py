@@ -4,6 +4,7 @@ and a harness that runs a function on several processes joined in a gloo group."
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -98,14 +99,16 @@ def _fmt(value: object) -> str:
 
 def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 600.0,
                 strict: bool = False) -> list:
-    """``target(rank, world, *args)`` on ``world`` fresh processes, one intra-op thread each,
-    joined in a gloo group on 127.0.0.1 whose store this process hosts.
+    """``target(rank, world, *args)`` on ``world`` processes, one intra-op thread each,
+    joined in a gloo group on 127.0.0.1 whose store this process hosts. They are forked from a
+    server that imported torch and fpipe once (a fresh interpreter spends seconds of CPU on
+    that, a quick run's ranks more than their work), and exit without the teardown.
 
     Returns each rank's result in rank order: what ``target`` returned, ``{"error": text}`` if
     it raised or the rank exited without a result, or None for a rank that outlived
     ``timeout`` (seconds of a :class:`LoadClock`) or was stopped because another failed.
     ``target`` must be importable by the children (a module-level function or a partial of
-    one; ``spawn`` start method).
+    one; ``forkserver`` start method).
 
     Fail fast: once one rank fails (raises or exits), the others get two seconds to report
     (their errors may follow from it) and are then killed, since they could only wait for it
@@ -118,7 +121,8 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
 
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts, once per run
     results_queue = context.Queue()
     ranks = [context.Process(target=_rank_main,
                              args=(target, rank, world, store.port, results_queue, args),
@@ -198,6 +202,11 @@ class LoadClock:
         return self.elapsed
 
 
+#: What the fork server of :func:`spawn_ranks` imports (``torch._dynamo``: what a process's
+#: first ``torch.func`` call would load, as much CPU as importing torch).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fpipe", "fpipe.distributed"]
+
+
 class RankFailed(RuntimeError):
     """A spawned rank failed in a strict run; the message holds that rank's error."""
 
@@ -207,6 +216,7 @@ def _rank_main(target: Callable, rank: int, world: int, port: int, results_queue
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    gc.freeze()  # what the imports made: a collection (the memory meters') skips it
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
                           timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", rank=rank, world_size=world, store=store,

@@ -285,6 +285,7 @@ def main() -> None:
                    help="no spawned ranks: no per-worker column, no pipeline-K row on CPU")
     args = p.parse_args()
     torch.set_num_threads(1)
+    gc.freeze()  # what the imports made: each meter's collection skips it
     k, m = args.workers, args.chunks
     cuda = torch.cuda.is_available()
     n_gpus = torch.cuda.device_count() if cuda else 0

@@ -13,7 +13,8 @@ plus the driver's own work. Each row is set beside its limit:
 
 F and B are naive-1's forward and backward, measured. torchgpipe's rows are added when it is
 installed. On CUDA the defaults are torchgpipe's setting (batch 128, 224x224); on a CPU a
-smaller batch and image keep the run to minutes. ``--quick`` uses a four-block ResNet.
+smaller batch and image keep the run to minutes. ``--quick`` uses a four-block ResNet, a
+quarter as wide, with 10 classes.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ class Bottleneck(nn.Module):
         return torch.relu(self.body(x) + self.shortcut(x))
 
 
-def resnet(blocks: tuple[int, ...], classes: int = 1000) -> nn.Sequential:
-    """A flat nn.Sequential (one layer per block), as pipelines partition it."""
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+def resnet(blocks: tuple[int, ...], classes: int = 1000, base: int = 64) -> nn.Sequential:
+    """A flat nn.Sequential (one layer per block), as pipelines partition it; ``base`` is the
+    first stage's width (64 in ResNets; the quick runs' is narrower)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.BatchNorm2d(base),
                                nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
-    channels = 64
+    channels = base
     for stage, count in enumerate(blocks):
-        width = 64 * 2 ** stage
+        width = base * 2 ** stage
         for i in range(count):
             layers.append(Bottleneck(channels, width, 2 if i == 0 and stage > 0 else 1))
             channels = width * 4
@@ -72,9 +74,10 @@ def main() -> None:
     repeat = 2 if args.quick else 10 if cuda else 3
     chunk_counts = [2] if args.quick else args.chunks
     torch.manual_seed(0)
-    model = resnet(blocks).to(device)
+    classes = 10 if args.quick else 1000
+    model = resnet(blocks, classes, base=16 if args.quick else 64).to(device)
     x = torch.randn(batch, 3, size, size, device=device)
-    target = torch.randint(0, 1000, (batch,), device=device)
+    target = torch.randint(0, classes, (batch,), device=device)
     loss_fn = nn.CrossEntropyLoss()
 
     def step(module: nn.Module, inputs=x, labels=target) -> None:

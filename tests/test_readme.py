@@ -35,17 +35,25 @@ def test_readme_example_runs():
     exec(compile(code, "README.md", "exec"), {})
 
 
+#: The suite, as README.md, docs/install.md and .ci/run run it: two tests at a time
+#: (pytest-xdist, of the [test] extra), each in its own process.
+TESTS = "python -m pytest -q -n 2"
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "python -m pytest -q" in readme
-    assert "python -m pytest -q" in ci
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert f"&& {TESTS}\n" in install
+    assert f"{TESTS} " in readme
+    assert TESTS in ci
+    assert "pytest_xdist" in extras()["test"]
 
 
 def test_ci_runs_the_readme_setup_in_a_fresh_venv():
     setup, ci = setup_commands(), commands((ROOT / ".ci" / "run").read_text())
     assert setup[0] == "pip install torch==2.13.0"  # torch first, as README says
-    assert setup[-1].endswith("&& python -m pytest -q")
+    assert setup[-1].endswith(f"&& {TESTS}")
     # README's lines, together and in order, first thing in a new venv: nothing installed before.
     start = ci.index(setup[0])
     assert ci[start:start + len(setup)] == setup
@@ -56,7 +64,7 @@ def test_ci_runs_the_readme_setup_in_a_fresh_venv():
     rest = ci[start + len(setup):]
     installed = next(line for line in rest if line.startswith("pip install"))
     assert set(re.search(r"\.\[([\w,]+)\]", installed).group(1).split(",")) == set(extras())
-    assert rest[-1] == "python -m pytest -q -m needs_extra"
+    assert rest[-1] == f"{TESTS} -m needs_extra"
     # And the documentation site, with warnings as errors.
     assert any(line.startswith("mkdocs build --strict") for line in rest)
 
