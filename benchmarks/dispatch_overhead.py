@@ -2,8 +2,8 @@
 
     python benchmarks/dispatch_overhead.py [--quick] [--json PATH] [--repeat N]
 
-16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches, one intra-op thread (set
-here, before anything runs). Each fpipe row runs one training step (loss and every gradient)
+16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches (8 and 32; 8 only with
+--quick), one intra-op thread (set here, before anything runs). Each fpipe row runs one training step (loss and every gradient)
 and is compared with the reference rows that do the same arithmetic without fpipe:
 
 - *plain loop*: the 16 layers composed, one micro-batch after the other, differentiated as a
@@ -333,7 +333,7 @@ def main() -> None:
     x, target = torch.randn(batch, width), torch.randn(batch, width)
     rounds = args.repeat or (5 if args.quick else 30)
     threaded = MinimalThreaded(n_stages)
-    rows = [row for chunks in [8, 32]
+    rows = [row for chunks in ([8] if args.quick else [8, 32])
             for row in measure(chunks, params, x, target, threaded, rounds)]
     threaded.close()
     report("fpipe driver overhead per action (16 x Linear(64,64), batch 64, 1 intra-op thread)",

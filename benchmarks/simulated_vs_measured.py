@@ -85,7 +85,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    width, batch, layers, chunks = (256, 256, 8, 8) if args.quick else (512, 512, 16, 8)
+    width, batch, layers, chunks = (128, 128, 8, 8) if args.quick else (512, 512, 16, 8)
     repeat = 3 if args.quick else 7
     k = args.workers
     params = [{"w": torch.randn(width, width) / width ** 0.5,

@@ -18,6 +18,7 @@ apart from the others; such views are copied, so every call sees offset 0.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,12 @@ def is_compiled(stage: Callable) -> bool:
     """Whether ``stage`` is what ``torch.compile`` returns (for a function or a module), or
     wraps it: a ``skippable`` declaration, or any wrapper that names what it wraps in
     ``__wrapped__`` (``functools.wraps``, :func:`fpipe.amp.autocast`)."""
+    # Without torch._dynamo imported nothing was compiled: importing it only to ask would
+    # cost every process about 2 s of CPU (it is most of what torch.compile loads).
+    dynamo = sys.modules.get("torch._dynamo")
     seen: set[int] = set()
     while stage is not None and id(stage) not in seen:
-        if (isinstance(stage, torch._dynamo.eval_frame.OptimizedModule)
+        if ((dynamo is not None and isinstance(stage, dynamo.eval_frame.OptimizedModule))
                 or hasattr(stage, "_torchdynamo_orig_callable")):
             return True
         seen.add(id(stage))
