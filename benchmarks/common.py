@@ -101,8 +101,8 @@ def spawn_ranks(target: Callable, world: int, *args: object, timeout: float = 60
                 strict: bool = False) -> list:
     """``target(rank, world, *args)`` on ``world`` processes, one intra-op thread each,
     joined in a gloo group on 127.0.0.1 whose store this process hosts. They are forked from a
-    server that imported torch and fpipe once (a fresh interpreter spends seconds of CPU on
-    that, a quick run's ranks more than their work), and exit without the teardown.
+    server that imported torch once (a fresh interpreter spends seconds of CPU on that, a
+    quick run's ranks more than on their work), and exit without the teardown.
 
     Returns each rank's result in rank order: what ``target`` returned, ``{"error": text}`` if
     it raised or the rank exited without a result, or None for a rank that outlived
@@ -203,8 +203,9 @@ class LoadClock:
 
 
 #: What the fork server of :func:`spawn_ranks` imports (``torch._dynamo``: what a process's
-#: first ``torch.func`` call would load, as much CPU as importing torch).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fpipe", "fpipe.distributed"]
+#: first ``torch.func`` call would load, as much CPU as importing torch). Not fpipe: the server
+#: ignores this process's sys.path (Python 3.11) and could find another copy.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]
 
 
 class RankFailed(RuntimeError):

@@ -5,10 +5,10 @@ other jobs the wall clock says more about the neighbours than about the test.
 the variable is set) writes a table sorted by CPU: per test the CPU seconds of the test process
 and of its children (ranks, ``torchrun``, scripts: ``getrusage`` of ``SELF`` and ``CHILDREN``
 for those it waited for, /proc for those still running, a fork server) over setup, call and
-teardown, and the wall seconds. Under pytest-xdist each
-worker measures its tests and the controller writes the table. On an idle machine a test run
-alone takes about max(CPU, what it waits for) of wall time; the suite under ``-n 2`` about its
-total CPU over 2 where the waits overlap.
+teardown, and the wall seconds. Under pytest-xdist each worker measures its tests and the
+controller writes the table. On an idle machine a test run alone takes about max(CPU, what it
+waits for) of wall time; the suite under ``-n 2`` about its total CPU over 2 where the waits
+overlap.
 """
 
 from __future__ import annotations

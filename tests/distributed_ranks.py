@@ -4,7 +4,7 @@ Ranks join a gloo group on 127.0.0.1 whose store the parent process hosts, so th
 any rank. Each scenario returns plain data (tensors, numbers, error fields) that the parent
 checks against the single-process driver and whole-batch ``torch.func``.
 
-Ranks are forked from a server that has imported torch and fpipe once (``forkserver``): a fresh
+Ranks are forked from a server that has imported torch once (``forkserver``): a fresh
 interpreter spends about 4.5 CPU seconds importing torch and the ``torch.func`` machinery, most
 of what a small scenario costs, and the suite starts about a hundred ranks. A forked rank then
 ends as an interpreter does (it waits for its non-daemon threads, then runs the ``atexit``
@@ -40,8 +40,10 @@ from fpipe.stages import skippable
 
 
 #: What the fork server imports once for every forked rank (``torch._dynamo``: what the first
-#: ``torch.func`` call of a process would load, 2 of its 4.5 CPU seconds).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fpipe", "fpipe.distributed"]
+#: ``torch.func`` call of a process would load, 2 of its 4.5 CPU seconds). Not fpipe: the server
+#: ignores the parent's sys.path (Python 3.11), so it could import another copy than the
+#: parent's (scripts/mutants.py's mutated one); each rank imports it as the parent does.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]
 
 
 def spawn(scenario: str, world: int, timeout: float = 60.0, backend: str = "gloo",
