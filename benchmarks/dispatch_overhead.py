@@ -3,8 +3,9 @@
     python benchmarks/dispatch_overhead.py [--quick] [--json PATH] [--repeat N]
 
 16 stages of Linear(64, 64) + tanh, batch 64, over M micro-batches (8 and 32; 8 only with
---quick), one intra-op thread (set here, before anything runs). Each fpipe row runs one training step (loss and every gradient)
-and is compared with the reference rows that do the same arithmetic without fpipe:
+--quick), one intra-op thread (set here, before anything runs). Each fpipe row runs one
+training step (loss and every gradient) and is compared with the reference rows that do the
+same arithmetic without fpipe:
 
 - *plain loop*: the 16 layers composed, one micro-batch after the other, differentiated as a
   whole per micro-batch, gradients summed over micro-batches: with ``torch.func`` (``vjp``, its
