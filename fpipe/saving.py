@@ -162,6 +162,7 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     before anything is written.
     """
     _located(directory, storage_writer, "storage_writer")
+    dcp = _dcp(process_group)
     model = _model_names(params, state, names)
     state_dict: dict[str, Any] = {_MODEL: {name: leaf.detach() for name, (_, leaf)
                                            in model.items()}}
@@ -170,8 +171,8 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     training_state.add(state_dict, extra, rng, process_group)
     state_dict[SUMS] = checksums(state_dict)
     with _quiet():
-        _dcp(process_group).save(state_dict, checkpoint_id=directory,
-                                 storage_writer=storage_writer, process_group=process_group)
+        dcp.save(state_dict, checkpoint_id=directory, storage_writer=storage_writer,
+                 process_group=process_group)
 
 
 

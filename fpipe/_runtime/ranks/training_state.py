@@ -146,10 +146,12 @@ def extra_request(extra: Mapping[str, Any] | None, held: dict[str, Any]) -> dict
         if name not in saved:
             raise KeyError(f"the checkpoint holds no extra entry {name!r} (it holds "
                            f"{saved or 'none'}): was it saved with extra={{{name!r}: ...}}?")
-    for key in dotted({EXTRA: template}):
-        if key not in held:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key in dotted({EXTRA: template}):  # each tensor of the template saved as a tensor
+        if not isinstance(held.get(key), TensorStorageMetadata):
             raise KeyError(f"extra entry {key.split('.')[1]!r} was saved with another "
-                           f"structure: the checkpoint has no {key!r}")
+                           f"structure: the checkpoint has no tensor {key!r}")
     return optree.tree_map(lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v,
                            template, none_is_leaf=True)
 
