@@ -731,7 +731,7 @@ SCENARIOS["ties"] = ties
 
 def logged(rank: int, world: int) -> dict:
     """What ``logging.getLogger("fpipe")`` hears on each rank: the pipeline built, each step
-    with its duration, a step that failed."""
+    with its figures, a step that failed; and each step's figures (``pipe.last_step``)."""
     import logging
 
     records: list = []
@@ -746,10 +746,16 @@ def logged(rank: int, world: int) -> dict:
     x, target = data(8, 8, seed=50)
     with fdist.pipeline([block, block], {rank: mlp_params(2)[rank]},
                         schedule=fdist_schedule("1f1b", 2), loss_fn=mse, timeout=20) as pipe:
-        pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None)
+        pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None,
+                            tokens=64 if rank == 1 else None)
+        trained = pipe.last_step
+        pipe.step_log = fpipe.StepLog(bubble=True)
         pipe(x if rank == 0 else None)
+        forward = pipe.last_step
         _outcome(pipe.value_and_grad, x if rank == 0 else None, target[:3] if rank else None)
-    return {"records": records}
+    figures = [(f.what, f.seconds, f.samples, f.samples_per_second, f.tokens, f.bubble)
+               for f in (trained, forward, pipe.last_step)]
+    return {"records": records, "figures": figures}
 
 
 SCENARIOS["logged"] = logged
