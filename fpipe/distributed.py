@@ -12,8 +12,8 @@ seed and what it was called for from the rank of stage 0, the target's size from
 the last: ranks called differently raise, not mix), this rank's actions, the loss broadcast
 from the rank of the last stage.
 
-Failure (:mod:`fpipe._runtime.ranks.faults`): every wait is bounded by ``timeout``. A rank whose stage
-raises re-raises the stage's own exception (fpipe's own detections are
+Failure (:mod:`fpipe._runtime.ranks.faults`): every wait is bounded by ``timeout``. A rank whose
+stage raises re-raises the stage's own exception (fpipe's own detections are
 :class:`~fpipe.StageError`), its rank recorded in :func:`fpipe.errors.where`; it publishes what
 happened and aborts fpipe's process groups, which wakes every other rank, and they raise a
 :class:`~fpipe.StageError` naming all that, so the whole pipeline stops. A dead or silent rank
@@ -36,8 +36,6 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
-from fpipe._runtime.ranks.agreement import fingerprint
-from fpipe._runtime.ranks.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
@@ -51,19 +49,22 @@ from fpipe._runtime.instructions import after_turn, before_turn, check_turn, com
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params
+from fpipe._runtime.ranks.agreement import fingerprint
 from fpipe._runtime.ranks.calls import Calls
+from fpipe._runtime.ranks.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.ranks.driver import RankDriver, backend_for
 from fpipe._runtime.ranks.inputs import Held, held_device, seat
 from fpipe._runtime.ranks.results import Replica, Results
+from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
-from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe.errors import NonFiniteLossError, PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.stages import Stages
+from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
@@ -256,7 +257,8 @@ class DistributedPipeline:
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
-            concurrent=False)  # one thread a rank: every draw seeded
+            concurrent=False,  # one thread a rank: every draw seeded
+            skips=declared(stages))
         DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         built = fingerprint(self.ranks, self.worker, replicas, program, {

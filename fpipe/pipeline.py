@@ -34,6 +34,7 @@ from fpipe._runtime.trees import tree_map
 from fpipe._runtime.values import param_leaves
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program, program_of
+from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
 __all__ = ["pipeline", "Pipeline"]
@@ -179,7 +180,8 @@ class Pipeline:
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
                                    program.n_workers, loss_fn, stateful=self.stateful,
-                                   grad_dtype=grad_dtype, autodiff=autodiff)
+                                   grad_dtype=grad_dtype, autodiff=autodiff,
+                                   skips=declared(self.stages))
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
         self._times = StepTimes()

@@ -15,8 +15,8 @@ import torch
 from fpipe._runtime import microbatch
 from fpipe._runtime.ranks.data_parallel import DataParallel, GradReduce
 from fpipe._runtime.ranks.faults import RankFaults
-from fpipe._runtime.step import Step
 from fpipe._runtime.ranks.tie_groups import TieGroups
+from fpipe._runtime.step import Step
 
 __all__ = ["Replica", "Results"]
 
