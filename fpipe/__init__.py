@@ -48,5 +48,6 @@ __all__ = [
     "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v",
     "interleaved_zero_bubble", "dual_pipe_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
-    "NonFiniteLossError", "OversubscriptionWarning", "amp", "optim", "saving", "Recorder", "StepFigures", "StepLog",
+    "NonFiniteLossError", "OversubscriptionWarning", "amp", "optim", "saving", "Recorder",
+    "StepFigures", "StepLog",
 ]
