@@ -65,7 +65,7 @@ from fpipe.schedules.actions import Program, program_of
 from fpipe.schedules.validate import validate
 from fpipe.stages import Stages
 from fpipe.stages.skip import declared
-from fpipe.timeline import Recorder
+from fpipe.timeline import Recorder, StepFigures, StepLog
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
 
@@ -272,6 +272,7 @@ class DistributedPipeline:
             replicas, grad_reduce, bucket_mb, state_reduce)
         self._calls = Calls(self.driver.faults, self._forget)
         self._times = StepTimes()
+        self.step_log = StepLog()  #: as :attr:`fpipe.Pipeline.step_log`, for this rank
         logger.info("%r: ranks %s%s", self, list(self.ranks),
                     "" if replicas is None else f", replicas on ranks {list(replicas)}")
         # Collective: every rank checks the tie map and makes the tie groups alike.
@@ -287,30 +288,37 @@ class DistributedPipeline:
         return self.program.n_microbatches
 
     @property
+    def last_step(self) -> StepFigures | None:
+        """This rank's figures of the last step (:attr:`fpipe.Pipeline.last_step`)."""
+        return self._times.last
+
+    @property
     def stateful(self) -> bool:
         """Whether the stages carry state (the pipeline was built with ``state=``)."""
         return self.state is not None
 
     def __call__(self, x: Any = None, *, params: Mapping[int, Any] | None = None,
-                 state: Mapping[int, Any] | None = None, record: Recorder | None = None) -> Any:
+                 state: Mapping[int, Any] | None = None, record: Recorder | None = None,
+                 tokens: int | None = None) -> Any:
         """The output on the last stage's rank (``None`` elsewhere); with state, also this
-        rank's new ``{stage: state}``. ``record`` receives this rank's timeline."""
+        rank's new ``{stage: state}``. ``record`` receives this rank's timeline; ``tokens``
+        (on any rank), the batch's token count, for :attr:`last_step`."""
         step, _, replica = self._step(self.inference_program, False, x, None, params, state,
-                                      record)
+                                      record, tokens)
         y = microbatch.join(step.outputs) if self.worker == self.program.placement[-1] else None
         return (y, self._results.state(step, replica)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
                        params: Mapping[int, Any] | None = None,
                        state: Mapping[int, Any] | None = None,
-                       record: Recorder | None = None) -> tuple:
+                       record: Recorder | None = None, tokens: int | None = None) -> tuple:
         """The mean loss over the batch (on every rank) and ``{stage: grads}`` for this rank's
         stages, each shaped like its parameters; with state, also the new ``{stage: state}``.
-        ``record`` receives this rank's timeline."""
+        ``record`` receives this rank's timeline; ``tokens`` as for ``pipe(x)``."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
         step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
-                                                  record)
+                                                  record, tokens)
         grads = self._results.grads(step, replica)
         loss = self._results.loss(loss, replica)
         # Every rank has each micro-batch's loss (and the global loss), so every rank refuses
@@ -428,12 +436,15 @@ class DistributedPipeline:
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None) -> tuple[Step, tuple | None, Replica | None]:
+              record: Recorder | None,
+              tokens: int | None = None) -> tuple[Step, tuple | None, Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         what = f"{'training' if training else 'forward'} step on rank {self.rank}"
-        with self._calls.alone(), self._times.step(what):
+        with self._calls.alone(), self._times.step(what, [self.device], self.step_log,
+                                                   record) as measure:
             step, channel, replica = self._begin(program, int(training), x, target, params,
-                                                 state, record)
+                                                 state, measure.record)
+            measure.count(sum(mb.size for mb in step.batch), x, tokens)
             plan = self.driver.plan(program, training, self.stateful)
             reduce = None if replica is None else replica.reduce
             with self.driver.seeded(step):

@@ -62,7 +62,7 @@ class RankDriver:
         self.backend = backend = backend_for(device)
         # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
         self.wire = device if backend == "nccl" else torch.device("cpu")
-        self.faults = RankFaults(ranks[self.rank], timeout, ranks)
+        self.faults = RankFaults(ranks[self.rank], timeout)
         owners = program.placement
         pairs = {(owners[s - 1], owners[s]) for s in range(1, program.n_stages)}
         pairs |= {(owners[a], owners[b]) for a, b in interpreter.routes.values()}
