@@ -25,10 +25,8 @@ refused, since two threads' calls could not be ordered alike on every rank.
 
 from __future__ import annotations
 
-import os
-import shlex
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -36,8 +34,6 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
-from fpipe._runtime.ranks.agreement import fingerprint
-from fpipe._runtime.ranks.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.engine import (
     check_options,
     check_stages,
@@ -51,74 +47,27 @@ from fpipe._runtime.instructions import after_turn, before_turn, check_turn, com
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params
+from fpipe._runtime.ranks.accumulate import Accumulated
+from fpipe._runtime.ranks.agreement import fingerprint
 from fpipe._runtime.ranks.calls import Calls
+from fpipe._runtime.ranks.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.ranks.driver import RankDriver, backend_for
+from fpipe._runtime.ranks.fsdp import Sharded, check_shard
 from fpipe._runtime.ranks.inputs import Held, held_device, seat
+from fpipe._runtime.ranks.launch import LAUNCH_VARIABLES as LAUNCH_VARIABLES
+from fpipe._runtime.ranks.launch import init, my_stages
 from fpipe._runtime.ranks.results import Replica, Results
+from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
-from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe.errors import NonFiniteLossError, PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
-from fpipe.schedules.validate import validate
 from fpipe.stages import Stages
 from fpipe.timeline import Recorder
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
-
-
-def init(device: torch.device | str | None = None) -> torch.device:
-    """Join the process group ``torchrun`` describes (its environment variables) with the
-    backend that fits ``device``, and return this rank's device.
-
-    ``device`` defaults to CUDA when there is one; ``"cuda"`` means the GPU of ``LOCAL_RANK``.
-    """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        _check_launched()
-        dist.init_process_group(backend_for(device))
-    return device
-
-
-#: What torchrun sets for every rank, and ``init_process_group``'s ``env://`` reads.
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _check_launched() -> None:
-    """Started without torchrun, a script gets torch's bare "environment variable RANK
-    expected"; say what is missing and the command that starts it."""
-    missing = [name for name in LAUNCH_VARIABLES if name not in os.environ]
-    if missing:
-        command = shlex.join(["torchrun", "--standalone", "--nproc-per-node=2", *sys.argv])
-        unset = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
-        raise RuntimeError(f"fpipe.distributed.init joins the process group that torchrun "
-                           f"starts, but {unset}: launch the script with torchrun, one process "
-                           f"per rank, e.g.\n    {command}")
-
-
-def my_stages(schedule: Any, n_stages: int, rank: int | None = None, *, group: Any = None,
-              mesh: Any = None) -> tuple[int, ...]:
-    """The stages that ``rank`` (a global rank; this rank by default) holds: worker ``w`` is
-    the ``w``-th rank of the pipeline's process group (``group``, or ``mesh["pp"]``, as given
-    to :func:`pipeline`; by default the world, where worker ``w`` is rank ``w``).
-
-    Build or load only these stages' parameters and pass them to :func:`pipeline`.
-    """
-    program = validate(program_of(schedule, n_stages))
-    rank = dist.get_rank() if rank is None else rank
-    worker = rank
-    if group is not None or mesh is not None:
-        ranks = tuple(dist.get_process_group_ranks(mesh_groups(group, mesh, None)[0]))
-        if rank not in ranks:
-            return ()
-        worker = ranks.index(rank)
-    return tuple(s for s, w in enumerate(program.placement) if w == worker)
 
 
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
@@ -128,7 +77,7 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
              autodiff: str = "autograd", group: Any = None, mesh: Any = None,
              data_parallel: Any = None, grad_reduce: str | None = "mean",
              bucket_mb: float = 25.0, ties: Iterable | None = None,
-             state_reduce: str | None = "mean") -> DistributedPipeline:
+             state_reduce: str | None = "mean", shard: str | None = None) -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank of the pipeline calls it with the same
     ``stages``, ``schedule`` and ``loss_fn`` (and, with data parallelism, every replica at
     once).
@@ -183,12 +132,18 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             each replica's own: integer tensors (``num_batches_tracked``) under ``"mean"``,
             Python values under both. Replicas' state must have the same leaves, shapes and
             dtypes. Without ``data_parallel`` it does nothing.
+        shard: ``"fsdp"`` (with ``mesh=``) shards this rank's stages with FSDP2 over
+            ``mesh["dp"]``: :attr:`DistributedPipeline.params` are then the sharded parameters
+            (``DTensor`` leaves) for the optimiser, gathered for each step, and the gradients
+            come back reduce-scattered as ``DTensor`` shards placed alike. ``params`` (full,
+            alike on every replica) are copied into the shards and can be dropped.
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
                                device=device, timeout=timeout, state=state, nonfinite=nonfinite,
                                grad_dtype=grad_dtype, autodiff=autodiff, group=group,
                                mesh=mesh, data_parallel=data_parallel, grad_reduce=grad_reduce,
-                               bucket_mb=bucket_mb, ties=ties, state_reduce=state_reduce)
+                               bucket_mb=bucket_mb, ties=ties, state_reduce=state_reduce,
+                               shard=shard)
 
 
 class DistributedPipeline:
@@ -217,8 +172,9 @@ class DistributedPipeline:
                  autodiff: str = "autograd", group: Any = None, mesh: Any = None,
                  data_parallel: Any = None, grad_reduce: str | None = "mean",
                  bucket_mb: float = 25.0, ties: Iterable | None = None,
-                 state_reduce: str | None = "mean") -> None:
+                 state_reduce: str | None = "mean", shard: str | None = None) -> None:
         check_options(nonfinite, grad_dtype)
+        check_shard(shard, mesh, grad_reduce)
         self.nonfinite = nonfinite
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
@@ -261,7 +217,7 @@ class DistributedPipeline:
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         built = fingerprint(self.ranks, self.worker, replicas, program, {
             "autodiff": autodiff, "grad_dtype": grad_dtype, "grad_reduce": grad_reduce,
-            "state_reduce": state_reduce, "bucket_mb": bucket_mb,
+            "state_reduce": state_reduce, "bucket_mb": bucket_mb, "shard": shard,
             "data parallel": replicas is not None}, self.params, self.state)
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
                                  self._compiled, replicas, built)
@@ -269,14 +225,19 @@ class DistributedPipeline:
         self.data_parallel = None if data_parallel is None else self._replicas(
             replicas, grad_reduce, bucket_mb, state_reduce)
         self._calls = Calls(self.driver.faults, self._forget)
+        self._sharded = None if shard is None else Sharded(self.params, mesh["dp"])
+        if self._sharded is not None:
+            self.params = self._sharded.params
+        self._accumulated = Accumulated(len(stages))
         self._times = StepTimes()
         logger.info("%r: ranks %s%s", self, list(self.ranks),
                     "" if replicas is None else f", replicas on ranks {list(replicas)}")
         # Collective: every rank checks the tie map and makes the tie groups alike.
-        tie_groups = TieGroups(ties, self.params, program.placement, self.ranks, self.rank,
+        tie_groups = TieGroups(ties, self.params if self._sharded is None else
+                               self._sharded.local(), program.placement, self.ranks, self.rank,
                                self.device, self.wire, grad_dtype, timeout, self.driver.faults)
         self._results = Results(self.data_parallel, tie_groups, self.driver.faults,
-                                self.param_specs)
+                                self.param_specs, self._sharded)
         #: The tie map, checked alike on every rank, as ``(stage, name)`` pairs.
         self.ties = tuple(tuple(tuple(member) for member in tie) for tie in tie_groups.ties)
 
@@ -301,15 +262,22 @@ class DistributedPipeline:
     def value_and_grad(self, x: Any = None, target: Any = None, *,
                        params: Mapping[int, Any] | None = None,
                        state: Mapping[int, Any] | None = None,
-                       record: Recorder | None = None) -> tuple:
+                       record: Recorder | None = None, accumulate: bool = False) -> tuple:
         """The mean loss over the batch (on every rank) and ``{stage: grads}`` for this rank's
         stages, each shaped like its parameters; with state, also the new ``{stage: state}``.
-        ``record`` receives this rank's timeline."""
+        ``record`` receives this rank's timeline.
+
+        ``accumulate=True``: keep this call's gradients (``None`` is returned for them) and
+        add them into the next call's; the first call without it returns the sum over the
+        calls since the last one that returned gradients, each call's weighted as its own
+        would be, with one data-parallel reduction (one reduce-scatter per stage with
+        ``shard="fsdp"``) for all of them and none on the calls that accumulate."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
+        carry = None if accumulate else self._accumulated.carry()
         step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
-                                                  record)
-        grads = self._results.grads(step, replica)
+                                                  record, accumulate, carry)
+        grads = None if accumulate else self._results.grads(step, replica, carry)
         loss = self._results.loss(loss, replica)
         # Every rank has each micro-batch's loss (and the global loss), so every rank refuses
         # a non-finite one; the step itself ended in lockstep, so the pipeline stays usable.
@@ -322,6 +290,11 @@ class DistributedPipeline:
                     "yourself", [])
             if error is not None:
                 raise error
+        if accumulate:
+            self._accumulated.add(step.grads, self.stages_held, 1.0 if replica is None or
+                                  self.data_parallel.reduce is None else replica.share)
+        else:
+            self._accumulated.clear()
         loss = returned_loss(loss)
         if self.stateful:
             return loss, grads, self._results.state(step, replica)
@@ -395,17 +368,21 @@ class DistributedPipeline:
         plan = self.driver.plan(self.program, True, self.stateful)
         check_turn(plan)
         with self._calls.alone():
-            step, channel, replica = self._begin(self.program, 2, x, None, params, state,
-                                                 None)
-            with self.driver.seeded(step):
-                self.driver.faults.guarded(
-                    lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
+            try:
+                step, channel, replica = self._begin(self.program, 2, x, None, params, state,
+                                                     None)
+                with self.driver.seeded(step):
+                    self.driver.faults.guarded(
+                        lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
+            except BaseException:
+                with self._gathered():
+                    raise
             new_state = self._results.state(step, replica) if self.stateful else None
         pending = self._calls.pending = object()
         last = self.worker == self.program.placement[-1]
 
         def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
-            with self._calls.alone(pending):
+            with self._calls.alone(pending), self._gathered():
                 self._calls.pending = None
                 self.driver.faults.guarded(lambda: self.driver.backward(
                     step, channel, after_turn(plan[self.worker]), cotangent,
@@ -417,6 +394,16 @@ class DistributedPipeline:
         y = microbatch.join([out.tree() for out in step.outputs]) if last else None
         return (y, vjp_fn, new_state) if self.stateful else (y, vjp_fn)
 
+    @contextlib.contextmanager
+    def _gathered(self) -> Iterator[None]:
+        """With FSDP2, the full parameters a call gathered are freed when it ends, however it
+        ends (a stage's are freed as soon as its gradients are final)."""
+        try:
+            yield
+        finally:
+            if self._sharded is not None:
+                self._sharded.release()
+
     def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None, bucket_mb: float,
                   state_reduce: str | None) -> DataParallel:
         """The data-parallel reduction over fpipe's group on ``ranks`` (its replicas were
@@ -426,12 +413,13 @@ class DistributedPipeline:
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None) -> tuple[Step, tuple | None, Replica | None]:
+              record: Recorder | None, accumulate: bool = False,
+              carry: list | None = None) -> tuple[Step, tuple | None, Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         what = f"{'training' if training else 'forward'} step on rank {self.rank}"
-        with self._calls.alone(), self._times.step(what):
+        with self._calls.alone(), self._times.step(what), self._gathered():
             step, channel, replica = self._begin(program, int(training), x, target, params,
-                                                 state, record)
+                                                 state, record, accumulate, carry)
             plan = self.driver.plan(program, training, self.stateful)
             reduce = None if replica is None else replica.reduce
             with self.driver.seeded(step):
@@ -441,12 +429,19 @@ class DistributedPipeline:
 
     def _begin(self, program: Program, call: int, x: Any, target: Any,
                params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-               record: Recorder | None) -> tuple[Step, Any, Replica | None]:
+               record: Recorder | None, accumulate: bool = False,
+               carry: list | None = None) -> tuple[Step, Any, Replica | None]:
         """A new step, agreed with every rank (the header), its channel, and with data
         parallelism in training (or with state), this replica's share of the global batch and
-        its gradients' reduction."""
+        its gradients' reduction (none when ``accumulate``; ``carry`` added to it)."""
         check_untransformed("a distributed pipeline's call", x)
-        leaves = self.held.param_leaves(params, self.params)
+        if self._sharded is not None and params is not None:
+            raise ValueError("a pipeline built with shard='fsdp' holds its parameters "
+                             "(pipe.params, sharded): call it without params=")
+        if call == 2 and self._accumulated.pending:
+            raise RuntimeError("gradients of value_and_grad(..., accumulate=True) wait for a "
+                               "last value_and_grad call; vjp cannot add to them")
+        leaves = None if self._sharded else self.held.param_leaves(params, self.params)
         states = self.held.states(state, self.state)
         training = call > 0
         if training:
@@ -460,7 +455,10 @@ class DistributedPipeline:
             seed.restore()
         if error is not None:  # every rank knows it, so every rank raises it by itself
             raise error
-        replica = self._results.replica(n, self.chunks, training, self.stateful)
+        replica = self._results.replica(n, self.chunks, training, self.stateful, carry,
+                                        not accumulate)
+        if self._sharded is not None:  # FSDP2's all-gather, once the step is agreed
+            leaves = self.held.param_leaves(None, self._sharded.gather())
         step, channel = self.driver.faults.guarded(lambda: self.driver.new_step(
             program, training, call == 2, leaves, states, x, target, n, seed_value, record,
             self.stateful))
