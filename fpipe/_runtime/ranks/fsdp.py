@@ -181,8 +181,7 @@ class ShardReduce(GradReduce):
                     if carried is not None:
                         flat.add_(self.sharded.pack(carried, indices, self.dp.wire))
                     out = flat.new_empty(flat.numel() // self.sharded.size)
-                    work = dist.reduce_scatter_tensor(out, flat, group=self.dp.group,
-                                                      async_op=True)
+                    work = _reduce_scatter()(out, flat, group=self.dp.group, async_op=True)
                     self.buckets.append((stage, indices, out, work, grads))
         self.sharded.release([stage])  # its last backward here has run
 
@@ -196,3 +195,9 @@ class ShardReduce(GradReduce):
             self.sharded.unpack(stage, out, indices, grads[stage])
         self.buckets.clear()
         return grads
+
+
+def _reduce_scatter():
+    """torch's reduce-scatter of one tensor: ``reduce_scatter_single`` (torch 2.13 renamed it),
+    ``reduce_scatter_tensor`` before."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
