@@ -1,32 +1,25 @@
 """The same interpreter over ``torch.distributed``: one rank per worker of the program.
 
-Rank ``w`` runs worker ``w``'s actions with :class:`fpipe._runtime.interpreter.Interpreter`, so a
-stage computes exactly what it computes in the local driver. Only the channel differs: values
-cross ranks as point-to-point messages (:mod:`fpipe._runtime.ranks.p2p`: one message per value once
-shapes repeat, receives posted ahead, shapes free to change from step to step, no deadlock on
-gloo or NCCL). This module is the public face: checks, micro-batching and results, as
-``fpipe.pipeline``'s, with the same shared checks (:mod:`fpipe._runtime.engine`,
-:mod:`fpipe._runtime.placement`). :class:`fpipe._runtime.ranks.driver.RankDriver` runs each step
-in lockstep: a header all-reduced by the pipeline's ranks (the batch size, the step's random
-seed and what it was called for from the rank of stage 0, the target's size from the rank of
-the last: ranks called differently raise, not mix), this rank's actions, the loss broadcast
-from the rank of the last stage.
+Rank ``w`` runs worker ``w``'s actions with :class:`fpipe._runtime.interpreter.Interpreter`, so
+a stage computes exactly what it computes in the local driver; only the channel differs: values
+cross ranks as point-to-point messages (:mod:`fpipe._runtime.ranks.p2p`). This module is the
+public face: checks, micro-batching and results, as ``fpipe.pipeline``'s.
+:class:`fpipe._runtime.ranks.driver.RankDriver` runs each step in lockstep: a header
+all-reduced by the pipeline's ranks (the batch size, the step's random seed and what it was
+called for, the target's size: ranks called differently raise, not mix), this rank's actions,
+the loss broadcast from the rank of the last stage.
 
-Failure (:mod:`fpipe._runtime.ranks.faults`): every wait is bounded by ``timeout``. A rank whose stage
-raises re-raises the stage's own exception (fpipe's own detections are
+Failure (:mod:`fpipe._runtime.ranks.faults`): every wait is bounded by ``timeout``. A rank
+whose stage raises re-raises the stage's own exception (fpipe's own detections are
 :class:`~fpipe.StageError`), its rank recorded in :func:`fpipe.errors.where`; it publishes what
 happened and aborts fpipe's process groups, which wakes every other rank, and they raise a
-:class:`~fpipe.StageError` naming all that, so the whole pipeline stops. A dead or silent rank
-surfaces as :class:`~fpipe.errors.PeerError`. After a failure the pipeline cannot run again.
-
-A pipeline runs one step at a time: a call made while another thread's call is running is
-refused, since two threads' calls could not be ordered alike on every rank.
+:class:`~fpipe.StageError` naming all that. A dead or silent rank surfaces as
+:class:`~fpipe.errors.PeerError`. After a failure the pipeline cannot run again. A pipeline
+runs one step at a time: a call made while another thread's runs is refused.
 """
-
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -39,11 +32,9 @@ from fpipe._runtime.engine import (
     check_stages,
     check_training,
     check_untransformed,
-    input_grads,
-    nonfinite_error,
     returned_loss,
 )
-from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
+from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params
@@ -52,16 +43,17 @@ from fpipe._runtime.ranks.agreement import fingerprint
 from fpipe._runtime.ranks.calls import Calls
 from fpipe._runtime.ranks.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.ranks.driver import RankDriver, backend_for
-from fpipe._runtime.ranks.fsdp import Sharded, check_shard
+from fpipe._runtime.ranks.fsdp import Sharded, check_call, check_shard, released
 from fpipe._runtime.ranks.inputs import Held, held_device, seat
 from fpipe._runtime.ranks.launch import LAUNCH_VARIABLES as LAUNCH_VARIABLES
 from fpipe._runtime.ranks.launch import init, my_stages
 from fpipe._runtime.ranks.results import Replica, Results
 from fpipe._runtime.ranks.tie_groups import TieGroups
+from fpipe._runtime.ranks.two_calls import two_calls
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
-from fpipe.errors import NonFiniteLossError, PlacementError
+from fpipe.errors import PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.stages import Stages
@@ -222,8 +214,11 @@ class DistributedPipeline:
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
                                  self._compiled, replicas, built)
         self.group, self.wire = self.driver.group, self.driver.wire
-        self.data_parallel = None if data_parallel is None else self._replicas(
-            replicas, grad_reduce, bucket_mb, state_reduce)
+        # The replicas' reduction over fpipe's group on their ranks (checked to run this
+        # worker of the same program when the groups were made).
+        self.data_parallel = None if data_parallel is None else DataParallel(
+            self.driver.dp_group, replicas, grad_reduce, max(1, int(bucket_mb * 2**20)),
+            self.wire, state_reduce)
         self._calls = Calls(self.driver.faults, self._forget)
         self._sharded = None if shard is None else Sharded(self.params, mesh["dp"])
         if self._sharded is not None:
@@ -279,22 +274,9 @@ class DistributedPipeline:
                                                   record, accumulate, carry)
         grads = None if accumulate else self._results.grads(step, replica, carry)
         loss = self._results.loss(loss, replica)
-        # Every rank has each micro-batch's loss (and the global loss), so every rank refuses
-        # a non-finite one; the step itself ended in lockstep, so the pipeline stays usable.
         if self.nonfinite == "raise":
-            error = nonfinite_error(parts)
-            if error is None and replica is not None and not bool(torch.isfinite(loss)):
-                error = NonFiniteLossError(
-                    "the loss is not finite on another data-parallel replica; no gradient was "
-                    "returned. Build the pipeline with nonfinite='ignore' to handle this "
-                    "yourself", [])
-            if error is not None:
-                raise error
-        if accumulate:
-            self._accumulated.add(step.grads, self.stages_held, 1.0 if replica is None or
-                                  self.data_parallel.reduce is None else replica.share)
-        else:
-            self._accumulated.clear()
+            self._results.refuse_nonfinite(parts, loss, replica)
+        self._accumulated.called(accumulate, step.grads, self.stages_held, replica)
         loss = returned_loss(loss)
         if self.stateful:
             return loss, grads, self._results.state(step, replica)
@@ -365,51 +347,7 @@ class DistributedPipeline:
         ``grads`` are then the global batch's (weighted by the replicas' shares and summed, as
         in :meth:`value_and_grad`), and ``x_grad`` is this shard's input gradient for the
         cotangent as given."""
-        plan = self.driver.plan(self.program, True, self.stateful)
-        check_turn(plan)
-        with self._calls.alone():
-            try:
-                step, channel, replica = self._begin(self.program, 2, x, None, params, state,
-                                                     None)
-                with self.driver.seeded(step):
-                    self.driver.faults.guarded(
-                        lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
-            except BaseException:
-                with self._gathered():
-                    raise
-            new_state = self._results.state(step, replica) if self.stateful else None
-        pending = self._calls.pending = object()
-        last = self.worker == self.program.placement[-1]
-
-        def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
-            with self._calls.alone(pending), self._gathered():
-                self._calls.pending = None
-                self.driver.faults.guarded(lambda: self.driver.backward(
-                    step, channel, after_turn(plan[self.worker]), cotangent,
-                    None if replica is None else replica.reduce))
-                grads = self._results.grads(step, replica)
-            first = self.worker == self.program.placement[0]
-            return grads, input_grads(step.inputs, step.ends.grads) if first else None
-
-        y = microbatch.join([out.tree() for out in step.outputs]) if last else None
-        return (y, vjp_fn, new_state) if self.stateful else (y, vjp_fn)
-
-    @contextlib.contextmanager
-    def _gathered(self) -> Iterator[None]:
-        """With FSDP2, the full parameters a call gathered are freed when it ends, however it
-        ends (a stage's are freed as soon as its gradients are final)."""
-        try:
-            yield
-        finally:
-            if self._sharded is not None:
-                self._sharded.release()
-
-    def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None, bucket_mb: float,
-                  state_reduce: str | None) -> DataParallel:
-        """The data-parallel reduction over fpipe's group on ``ranks`` (its replicas were
-        checked to run this worker of the same program when the groups were made)."""
-        return DataParallel(self.driver.dp_group, ranks, grad_reduce,
-                            max(1, int(bucket_mb * 2**20)), self.wire, state_reduce)
+        return two_calls(self, x, params, state)
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
@@ -417,7 +355,7 @@ class DistributedPipeline:
               carry: list | None = None) -> tuple[Step, tuple | None, Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         what = f"{'training' if training else 'forward'} step on rank {self.rank}"
-        with self._calls.alone(), self._times.step(what), self._gathered():
+        with self._calls.alone(), self._times.step(what), released(self._sharded):
             step, channel, replica = self._begin(program, int(training), x, target, params,
                                                  state, record, accumulate, carry)
             plan = self.driver.plan(program, training, self.stateful)
@@ -435,12 +373,8 @@ class DistributedPipeline:
         parallelism in training (or with state), this replica's share of the global batch and
         its gradients' reduction (none when ``accumulate``; ``carry`` added to it)."""
         check_untransformed("a distributed pipeline's call", x)
-        if self._sharded is not None and params is not None:
-            raise ValueError("a pipeline built with shard='fsdp' holds its parameters "
-                             "(pipe.params, sharded): call it without params=")
-        if call == 2 and self._accumulated.pending:
-            raise RuntimeError("gradients of value_and_grad(..., accumulate=True) wait for a "
-                               "last value_and_grad call; vjp cannot add to them")
+        check_call(self._sharded, params, call == 2)
+        self._accumulated.check_call(call == 2)
         leaves = None if self._sharded else self.held.param_leaves(params, self.params)
         states = self.held.states(state, self.state)
         training = call > 0

@@ -54,6 +54,21 @@ class Accumulated:
                 self.sums[stage] = plus(self.sums[stage], grads)
         self.calls += 1
 
+    def check_call(self, vjp: bool) -> None:
+        """Refuse a ``vjp`` while gradients wait for the last ``value_and_grad``."""
+        if vjp and self.pending:
+            raise RuntimeError("gradients of value_and_grad(..., accumulate=True) wait for a "
+                               "last value_and_grad call; vjp cannot add to them")
+
+    def called(self, accumulate: bool, sums: Any, held: tuple[int, ...], replica: Any) -> None:
+        """After a ``value_and_grad`` call: its sums kept (``accumulate``), weighted by the
+        replica's share when the replicas' gradients are reduced (``grad_reduce="mean"``), or
+        the carried ones dropped (the call returned them)."""
+        if not accumulate:
+            self.clear()
+            return
+        self.add(sums, held, replica.share if replica is not None and replica.weighted else 1.0)
+
     def carry(self) -> list | None:
         """The sums for the last call (read before its step; :meth:`clear` once it ended)."""
         return self.sums

@@ -33,8 +33,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.microbatch import check_size
+from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import BatchError, PlacementError
 from fpipe.schedules.actions import Op

@@ -28,7 +28,8 @@ returned as ``DTensor`` gradients placed as the parameters are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -41,7 +42,7 @@ from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.trees import leaf_names
 from fpipe._runtime.values import frozen, param_leaves
 
-__all__ = ["SHARDINGS", "Sharded", "ShardReduce", "check_shard"]
+__all__ = ["SHARDINGS", "Sharded", "ShardReduce", "check_call", "check_shard", "released"]
 
 #: What ``shard=`` may say: FSDP2 over ``mesh["dp"]``, or replicas that hold everything.
 SHARDINGS = ("fsdp", None)
@@ -151,6 +152,29 @@ class Sharded:
             piece = flat[offset:offset + size].view(chunk, *shape[1:])[:local.shape[0]]
             into[i] = piece.to(local.device, local.dtype)
             offset += size
+
+
+@contextlib.contextmanager
+def released(sharded: Sharded | None) -> Iterator[None]:
+    """A call's scope: with FSDP2, the full parameters it gathered are freed when it ends,
+    however it ends (a stage's are freed as soon as its gradients are final)."""
+    try:
+        yield
+    finally:
+        if sharded is not None:
+            sharded.release()
+
+
+def check_call(sharded: Sharded | None, params: Any, vjp: bool) -> None:
+    """What a call of a sharded pipeline cannot be given or do, refused before it starts."""
+    if sharded is None:
+        return
+    if params is not None:
+        raise ValueError("a pipeline built with shard='fsdp' holds its parameters "
+                         "(pipe.params, sharded): call it without params=")
+    if vjp:
+        raise NotImplementedError("vjp is not supported with shard='fsdp' yet: its two calls "
+                                  "would hold the gathered parameters in between")
 
 
 class ShardReduce(GradReduce):

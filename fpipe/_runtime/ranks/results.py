@@ -13,12 +13,14 @@ import optree
 import torch
 
 from fpipe._runtime import microbatch
+from fpipe._runtime.engine import nonfinite_error
 from fpipe._runtime.ranks.accumulate import plus
 from fpipe._runtime.ranks.data_parallel import DataParallel, GradReduce
 from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.ranks.fsdp import Sharded, ShardReduce
 from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe._runtime.step import Step
+from fpipe.errors import NonFiniteLossError
 
 __all__ = ["Replica", "Results"]
 
@@ -29,6 +31,8 @@ class Replica(NamedTuple):
 
     share: float
     reduce: GradReduce | None
+    #: Whether the replicas' gradients are reduced, weighted by ``share`` (``grad_reduce``).
+    weighted: bool = True
 
 
 class Results:
@@ -55,7 +59,7 @@ class Results:
             return None
         share = n / dp.total(n, chunks, self.faults)
         if not (training and reduce):
-            return Replica(share, None)
+            return Replica(share, None, dp.reduce is not None)
         if self.sharded is not None:
             return Replica(share, ShardReduce(dp, share, self.faults, tuple(self.specs),
                                               self.sharded, carry))
@@ -76,6 +80,21 @@ class Results:
         if self.sharded is not None:
             grads = self.sharded.wrap(grads)
         return {s: optree.tree_unflatten(spec, grads[s]) for s, spec in self.specs.items()}
+
+    @staticmethod
+    def refuse_nonfinite(parts: torch.Tensor, loss: torch.Tensor,
+                         replica: Replica | None) -> None:
+        """Raise for a non-finite loss. Every rank has each micro-batch's loss (and the global
+        loss), so every rank refuses it; the step itself ended in lockstep, so the pipeline
+        stays usable."""
+        error = nonfinite_error(parts)
+        if error is None and replica is not None and not bool(torch.isfinite(loss)):
+            error = NonFiniteLossError(
+                "the loss is not finite on another data-parallel replica; no gradient was "
+                "returned. Build the pipeline with nonfinite='ignore' to handle this "
+                "yourself", [])
+        if error is not None:
+            raise error
 
     def loss(self, loss: torch.Tensor, replica: Replica | None) -> torch.Tensor:
         """The global batch's loss on every replica (this replica's own without replicas)."""
