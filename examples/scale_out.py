@@ -97,7 +97,7 @@ def main() -> None:
     with torch.device("meta"):  # shapes only: nothing allocated yet
         gpt = GPT(VOCAB, CONTEXT, width=64, depth=4, heads=4, tied=True)
     held = fdist.my_stages(schedule, 4, mesh=mesh)
-    torch.manual_seed(0)  # alike on every rank: a tie's copies on two ranks start equal
+    torch.manual_seed(0)  # alike on every rank: the seed alone decides the initial weights
     s = from_modules(cut(gpt), [device] * 4, root=gpt, stateful=False, held=held,
                      init=None if args.resume else initialise)
     params = {i: s.params[i] for i in held}

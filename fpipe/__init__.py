@@ -36,7 +36,7 @@ from fpipe.schedules import (
     zero_bubble,
     zero_bubble_v,
 )
-from fpipe.timeline import Recorder
+from fpipe.timeline import Recorder, StepFigures, StepLog
 
 __version__ = "0.1.0"
 
@@ -49,4 +49,5 @@ __all__ = [
     "interleaved_zero_bubble", "dual_pipe_v", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
     "NonFiniteLossError", "OversubscriptionWarning", "amp", "optim", "saving", "Recorder",
+    "StepFigures", "StepLog",
 ]

@@ -57,7 +57,8 @@ from fpipe.errors import PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.stages import Stages
-from fpipe.timeline import Recorder
+from fpipe.stages.skip import declared
+from fpipe.timeline import Recorder, StepFigures, StepLog
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
 
@@ -204,7 +205,8 @@ class DistributedPipeline:
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
-            concurrent=False)  # one thread a rank: every draw seeded
+            concurrent=False,  # one thread a rank: every draw seeded
+            skips=declared(stages))
         DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         built = fingerprint(self.ranks, self.worker, replicas, program, {
@@ -225,6 +227,7 @@ class DistributedPipeline:
             self.params = self._sharded.params
         self._accumulated = Accumulated(len(stages))
         self._times = StepTimes()
+        self.step_log = StepLog()  #: as :attr:`fpipe.Pipeline.step_log`, for this rank
         logger.info("%r: ranks %s%s", self, list(self.ranks),
                     "" if replicas is None else f", replicas on ranks {list(replicas)}")
         # Collective: every rank checks the tie map and makes the tie groups alike.
@@ -241,26 +244,34 @@ class DistributedPipeline:
         return self.program.n_microbatches
 
     @property
+    def last_step(self) -> StepFigures | None:
+        """This rank's figures of the last step (:attr:`fpipe.Pipeline.last_step`)."""
+        return self._times.last
+
+    @property
     def stateful(self) -> bool:
         """Whether the stages carry state (the pipeline was built with ``state=``)."""
         return self.state is not None
 
     def __call__(self, x: Any = None, *, params: Mapping[int, Any] | None = None,
-                 state: Mapping[int, Any] | None = None, record: Recorder | None = None) -> Any:
+                 state: Mapping[int, Any] | None = None, record: Recorder | None = None,
+                 tokens: int | None = None) -> Any:
         """The output on the last stage's rank (``None`` elsewhere); with state, also this
-        rank's new ``{stage: state}``. ``record`` receives this rank's timeline."""
+        rank's new ``{stage: state}``. ``record`` receives this rank's timeline; ``tokens``
+        (on any rank), the batch's token count, for :attr:`last_step`."""
         step, _, replica = self._step(self.inference_program, False, x, None, params, state,
-                                      record)
+                                      record, tokens)
         y = microbatch.join(step.outputs) if self.worker == self.program.placement[-1] else None
         return (y, self._results.state(step, replica)) if self.stateful else y
 
     def value_and_grad(self, x: Any = None, target: Any = None, *,
                        params: Mapping[int, Any] | None = None,
                        state: Mapping[int, Any] | None = None,
-                       record: Recorder | None = None, accumulate: bool = False) -> tuple:
+                       record: Recorder | None = None, tokens: int | None = None,
+                       accumulate: bool = False) -> tuple:
         """The mean loss over the batch (on every rank) and ``{stage: grads}`` for this rank's
         stages, each shaped like its parameters; with state, also the new ``{stage: state}``.
-        ``record`` receives this rank's timeline.
+        ``record`` receives this rank's timeline; ``tokens`` as for ``pipe(x)``.
 
         ``accumulate=True``: keep this call's gradients (``None`` is returned for them) and
         add them into the next call's; the first call without it returns the sum over the
@@ -271,7 +282,7 @@ class DistributedPipeline:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
         carry = None if accumulate else self._accumulated.carry()
         step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
-                                                  record, accumulate, carry)
+                                                  record, tokens, accumulate, carry)
         grads = None if accumulate else self._results.grads(step, replica, carry)
         loss = self._results.loss(loss, replica)
         if self.nonfinite == "raise":
@@ -351,13 +362,15 @@ class DistributedPipeline:
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None, accumulate: bool = False,
+              record: Recorder | None, tokens: int | None = None, accumulate: bool = False,
               carry: list | None = None) -> tuple[Step, tuple | None, Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         what = f"{'training' if training else 'forward'} step on rank {self.rank}"
-        with self._calls.alone(), self._times.step(what), released(self._sharded):
+        with self._calls.alone(), self._times.step(what, [self.device], self.step_log,
+                                                   record) as measure, released(self._sharded):
             step, channel, replica = self._begin(program, int(training), x, target, params,
-                                                 state, record, accumulate, carry)
+                                                 state, measure.record, accumulate, carry)
+            measure.count(sum(mb.size for mb in step.batch), x, tokens)
             plan = self.driver.plan(program, training, self.stateful)
             reduce = None if replica is None else replica.reduce
             with self.driver.seeded(step):

@@ -34,7 +34,8 @@ from fpipe._runtime.trees import tree_map
 from fpipe._runtime.values import param_leaves
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program, program_of
-from fpipe.timeline import Recorder
+from fpipe.stages.skip import declared
+from fpipe.timeline import Recorder, StepFigures, StepLog
 
 __all__ = ["pipeline", "Pipeline"]
 
@@ -179,10 +180,13 @@ class Pipeline:
         self.inference_program = program.forward_only()
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
                                    program.n_workers, loss_fn, stateful=self.stateful,
-                                   grad_dtype=grad_dtype, autodiff=autodiff)
+                                   grad_dtype=grad_dtype, autodiff=autodiff,
+                                   skips=declared(self.stages))
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
         self._times = StepTimes()
+        #: How each step is reported: its log level, and whether its bubble is measured.
+        self.step_log = StepLog()
         logger.info("%r: a program of %d workers and %d micro-batches", self,
                     program.n_workers, program.n_microbatches)
 
@@ -191,31 +195,39 @@ class Pipeline:
         return self.program.n_microbatches
 
     @property
+    def last_step(self) -> StepFigures | None:
+        """The last step's figures (time, samples and tokens per second, peak memory,
+        bubble), as logged; ``None`` before the first step."""
+        return self._times.last
+
+    @property
     def stateful(self) -> bool:
         """Whether the stages carry state (the pipeline was built with ``state=``)."""
         return self.state is not None
 
     def __call__(self, x: Any, *, params: Sequence[Any] | None = None,
-                 state: Sequence[Any] | None = None, record: Recorder | None = None) -> Any:
+                 state: Sequence[Any] | None = None, record: Recorder | None = None,
+                 tokens: int | None = None) -> Any:
         """The last stage's output for the whole batch, forward only (and the new state, for
         a stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the
-        step's timeline."""
+        step's timeline; ``tokens``, the batch's token count, for :attr:`last_step`."""
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state,
                                                              entry="pipe(x)")
-        with self._times.step("forward step"):
+        with self._times.step("forward step", self.devices, self.step_log, record) as measure:
+            measure.count(n, x, tokens)
             outputs, new_state = self._driver.infer(self.inference_program, leaves, states,
-                                                    inputs, sizes, record)
+                                                    inputs, sizes, measure.record)
         y = microbatch.join(outputs)
         return (y, new_state) if self.stateful else y
 
     def value_and_grad(self, x: Any, target: Any = None, *,
                        params: Sequence[Any] | None = None,
                        state: Sequence[Any] | None = None,
-                       record: Recorder | None = None) -> tuple:
+                       record: Recorder | None = None, tokens: int | None = None) -> tuple:
         """The mean loss over the batch and its gradient with respect to every stage's
         parameters, as a list of pytrees shaped like ``params`` (and the new state, for a
         stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the step's
-        timeline."""
+        timeline; ``tokens``, the batch's token count, for :attr:`last_step`."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state, training=True,
@@ -227,9 +239,10 @@ class Pipeline:
             if m != n:
                 raise BatchError(f"the input has {n} samples but the target has {m}")
             targets = microbatch.split(self._to(target, self.devices[-1]), self.chunks, "target")
-        with self._times.step("training step"):
+        with self._times.step("training step", self.devices, self.step_log, record) as measure:
+            measure.count(n, x, tokens)
             result = self._driver.train(self.program, leaves, states, inputs, targets,
-                                        [size / n for size in sizes], sizes, record)
+                                        [size / n for size in sizes], sizes, measure.record)
         losses = torch.stack(result.losses)
         error = nonfinite_error(losses) if self.nonfinite == "raise" else None
         if error is not None:

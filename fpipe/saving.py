@@ -39,7 +39,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.ranks import saved_groups, teardown
+from fpipe._runtime.ranks import saved_groups, teardown, training_state
 from fpipe._runtime.ranks.intact import (
     SUMS,
     agreed,
@@ -51,11 +51,19 @@ from fpipe._runtime.ranks.intact import (
     sums_request,
     verify,
 )
+from fpipe._runtime.ranks.saved_optimizer import (
+    OPTIM,
+    flat_optimizer,
+    hyper_parameters,
+    optimizer_names,
+    optimizer_state_dict,
+    state_request,
+)
 from fpipe._runtime.trees import leaf_names, stage_items
 
 __all__ = ["save", "load", "load_module", "names"]
 
-_MODEL, _OPTIM = "model", "optim"
+_MODEL, _OPTIM = "model", OPTIM
 
 
 def names(tree: Any) -> list[str]:
@@ -120,42 +128,16 @@ def _names_of(rename: Any, stage: int) -> Mapping[str, str]:
         raise KeyError(f"names has no entry for stage {stage}") from None
 
 
-def _optimizer_names(optimizer: torch.optim.Optimizer,
-                     model: dict[str, tuple[int, torch.Tensor]]) -> list[str]:
-    """The model name of each tensor the optimiser holds, in its ``state_dict``'s order."""
-    name_of = {id(leaf): name for name, (_, leaf) in model.items()}
-    result = []
-    for g, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) not in name_of:
-                raise ValueError(f"the optimizer's parameter group {g} holds a tensor of shape "
-                                 f"{tuple(p.shape)} that is not a leaf of params")
-            result.append(name_of[id(p)])
-    return result
 
 
-def _flat_optimizer(optimizer: torch.optim.Optimizer, order: list[str]) -> dict[str, Any]:
-    """The optimiser's ``state_dict`` in torch's flattened layout, keyed by model names."""
-    saved = optimizer.state_dict()
-    flat: dict[str, Any] = {}
-    for i, values in saved["state"].items():
-        for key, value in values.items():
-            if isinstance(value, Mapping):
-                raise TypeError(f"the optimizer's state {key!r} of {order[i]!r} is nested; "
-                                f"fpipe.saving takes optimisers with flat per-parameter state")
-            flat[f"state.{order[i]}.{key}"] = value
-    for group in saved["param_groups"]:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        for i in group["params"]:
-            flat.update({f"param_groups.{order[i]}.{k}": v for k, v in hyper.items()})
-    return flat
 
 
 def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
          names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
-         process_group: Any = None, storage_writer: Any = None) -> None:
+         process_group: Any = None, storage_writer: Any = None,
+         extra: Mapping[str, Any] | None = None, rng: bool = False) -> None:
     """Write a checkpoint of ``params``, ``state`` and ``optimizer`` to ``directory`` with
     ``torch.distributed.checkpoint.save``.
 
@@ -169,18 +151,29 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     ``storage_writer``: a DCP ``StorageWriter`` (``FileSystemWriter`` with options of its
     own, an fsspec or object-store writer), given to ``dcp.save`` as it is; ``directory`` is
     then its ``checkpoint_id`` (``None``: the writer's own location). Without one, DCP picks
-    its writer for ``directory``. Every check runs before anything is written.
+    its writer for ``directory``.
+
+    ``extra``: the rest of the training state, ``{name: value}``: a ``Stateful`` (anything
+    with ``state_dict`` / ``load_state_dict``: an LR scheduler, a data loader's position,
+    ``torch.distributed.checkpoint.stateful.Stateful``) or a plain value (a step counter, a
+    dict of numbers or tensors). Replicated: ranks that save a name must hold equal values
+    (checked; it is written once). ``rng=True``: this rank's random generators too (torch's
+    CPU one, each CUDA device's, Python's ``random``, numpy's), per rank. Every check runs
+    before anything is written.
     """
     _located(directory, storage_writer, "storage_writer")
+    dcp = _dcp(process_group)
     model = _model_names(params, state, names)
     state_dict: dict[str, Any] = {_MODEL: {name: leaf.detach() for name, (_, leaf)
                                            in model.items()}}
     if optimizer is not None:
-        state_dict[_OPTIM] = _flat_optimizer(optimizer, _optimizer_names(optimizer, model))
+        state_dict[_OPTIM] = flat_optimizer(optimizer, optimizer_names(optimizer, model))
+    training_state.add(state_dict, extra, rng, process_group)
     state_dict[SUMS] = checksums(state_dict)
     with _quiet():
-        _dcp(process_group).save(state_dict, checkpoint_id=directory,
-                                 storage_writer=storage_writer, process_group=process_group)
+        dcp.save(state_dict, checkpoint_id=directory, storage_writer=storage_writer,
+                 process_group=process_group)
+
 
 
 @contextlib.contextmanager
@@ -271,88 +264,20 @@ def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any
                              f"but {tuple(leaf.shape)} {leaf.dtype} here")
 
 
-def _state_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]:
-    """The optimiser state the checkpoint holds for these parameters (``state.<name>.<key>``,
-    alike in both layouts), as DCP fills it."""
-    wanted, prefix = set(order), f"{_OPTIM}.state."
-    return {key[len(_OPTIM) + 1:]: saved_groups.placeholder(saved)
-            for key, saved in held.items()
-            if key.startswith(prefix) and key[len(prefix):].rpartition(".")[0] in wanted}
 
 
-def _hyper_parameters(read: Any, optimizer: torch.optim.Optimizer, order: list[str],
-                      held: dict[str, Any], ties: Any,
-                      rename: Any) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """Each parameter's saved hyper-parameters, from either layout (read before any tensor:
-    only a nested checkpoint's groups say which names they hold), and ``order`` with each
-    tied name the checkpoint lacks replaced by its tie's. Raises, before the tensors are
-    read, for a name without any, and for a group of ``optimizer`` mixing values."""
-    groups = saved_groups.entries(held, f"{_OPTIM}.")
-    nested = bool(saved_groups.nested_groups(groups))
-    if nested:
-        hyper = saved_groups.by_name(read(saved_groups.request(groups, True, set())), True)
-    known = set(hyper) if nested else saved_groups.flat_names(groups)
-    order = _tie_sources(order, ties, rename, known)
-    for name in order:
-        if name not in known:
-            raise KeyError(f"the checkpoint holds no optimizer state for {name!r}")
-    if not nested:
-        hyper = saved_groups.by_name(read(saved_groups.request(groups, False, set(order))),
-                                     False)
-    saved_groups.check_groups(optimizer, order, hyper)
-    return order, hyper
 
 
-def _tie_sources(order: list[str], ties: Any, rename: Any, known: set[str]) -> list[str]:
-    """``order`` with each tied name whose optimiser state the checkpoint lacks replaced by
-    the name of a member of its tie that has some."""
-    def model_name(stage: int, local: str) -> str | None:
-        if rename is None:
-            return local
-        try:
-            return rename[stage].get(local)
-        except (KeyError, IndexError):
-            return None
-
-    source: dict[str, str] = {}
-    for tie in ties:
-        members = [n for n in (model_name(s, local) for s, local in tie) if n is not None]
-        found = next((n for n in members if n in known), None)
-        source.update({n: found for n in members if found is not None and n not in known})
-    return [source.get(name, name) for name in order]
 
 
-def _optimizer_state_dict(optimizer: torch.optim.Optimizer, order: list[str],
-                          flat: dict[str, Any],
-                          hyper: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The read state (``state.<name>.<key>``) and ``hyper`` (by name) mapped back to
-    ``optimizer``'s own ``state_dict`` form: its parameter groups as they are, each with its
-    parameters' saved hyper-parameters (one value each: ``check_groups``)."""
-    per_name: dict[str, dict[str, Any]] = {}
-    for key, value in flat.items():
-        name, _, field = key[len("state."):].rpartition(".")
-        per_name.setdefault(name, {})[field] = value
-    state, groups, i = {}, [], 0
-    for group in optimizer.param_groups:
-        ids = list(range(i, i + len(group["params"])))
-        for j in ids:
-            if per_name.get(order[j]):
-                # A copy each: two tied copies may read one saved state, and the optimiser
-                # updates its state tensors in place.
-                state[j] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                            for k, v in per_name[order[j]].items()}
-        saved = hyper[order[ids[0]]] if ids else {}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, **saved,
-                       "params": ids})
-        i += len(ids)
-    return {"state": state, "param_groups": groups}
 
 
 def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
          names: Sequence[Mapping[str, str]] | Mapping[int, Mapping[str, str]] | None = None,
-         process_group: Any = None, ties: Any = (), storage_reader: Any = None) -> Any:
+         process_group: Any = None, ties: Any = (), storage_reader: Any = None,
+         extra: dict[str, Any] | None = None, rng: bool = False) -> Any:
     """Fill ``params``' and ``state``'s tensors, in place, from the checkpoint in
     ``directory`` (``torch.distributed.checkpoint.load``); returns ``params``, or
     ``(params, state)`` when ``state`` is given.
@@ -372,12 +297,21 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
 
     ``storage_reader``: a DCP ``StorageReader``, given to ``dcp.load`` as it is (and read for
     the checks first); ``directory`` may then be ``None``, as with :func:`save`'s writer.
+
+    ``extra``: the dict given to :func:`save` (its names; values of the same kind): each
+    ``Stateful`` gets its saved state by ``load_state_dict``, each plain value is replaced in
+    the dict by the saved one. A name the checkpoint lacks is a ``KeyError`` naming it.
+    ``rng=True``: this rank's random generators are set to those its rank number saved.
+    Nothing is written, into ``params``, the optimiser or ``extra``, until every part was read
+    and checked on every rank.
     """
     reader = _reader(directory, storage_reader)
     metadata = _metadata(reader, directory)
     held = metadata.state_dict_metadata
     model = _model_names(params, state, names)
-    agreed(lambda: (_check_model(model, held), files_whole(metadata, reader)), process_group)
+    more = agreed(lambda: (_check_model(model, held), files_whole(metadata, reader),
+                           training_state.request(extra, rng, held, process_group))[-1],
+                  process_group)
 
     def read(entries: dict[str, Any]) -> Any:
         """One ``dcp.load`` (collective) of optimiser entries (hyper-parameters)."""
@@ -388,26 +322,29 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     request: dict[str, Any] = {_MODEL: {name: torch.empty_like(leaf)
                                         for name, (_, leaf) in model.items()}}
     if optimizer is not None:
-        order, hyper = _hyper_parameters(read, optimizer, _optimizer_names(optimizer, model),
+        order, hyper = hyper_parameters(read, optimizer, optimizer_names(optimizer, model),
                                          held, ties, names)
-        request[_OPTIM] = _state_request(order, held)
-    got = _read_checked(request, metadata, directory, reader, process_group)
+        request[_OPTIM] = state_request(order, held)
+    got = _read_checked({**request, **more}, metadata, directory, reader, process_group)
     with torch.no_grad():  # all read and checked on every rank: now written
         for name, (_, leaf) in model.items():
             leaf.copy_(got[_MODEL][name])
     if optimizer is not None:
-        optimizer.load_state_dict(_optimizer_state_dict(optimizer, order, got[_OPTIM], hyper))
+        optimizer.load_state_dict(optimizer_state_dict(optimizer, order, got[_OPTIM], hyper))
+    training_state.put(extra, got)
     return params if state is None else (params, state)
 
 
 def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
                 optimizer: torch.optim.Optimizer | None = None, *,
-                storage_reader: Any = None) -> None:
+                storage_reader: Any = None, extra: dict[str, Any] | None = None,
+                rng: bool = False) -> None:
     """Load a checkpoint into the plain ``module`` (and its ``optimizer``), as torch's
     ``get_state_dict`` / ``dcp.load`` / ``set_state_dict`` do with
     ``flatten_optimizer_state_dict=True``: every name ``module.state_dict()`` lists must be
     in the checkpoint. A checkpoint with the optimiser in torch's nested layout is read
-    without that option. ``storage_reader``: as :func:`load`'s."""
+    without that option. ``storage_reader``, ``extra`` and ``rng``: as :func:`load`'s (the
+    generators of rank 0)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -419,6 +356,7 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
     metadata = _metadata(reader, directory)
     held = metadata.state_dict_metadata
     files_whole(metadata, reader)
+    more = training_state.request(extra, rng, held, None)
     # torch reads the optimiser in the layout it asks for: the one the checkpoint has.
     nested = saved_groups.nested_groups(saved_groups.entries(held, f"{_OPTIM}."))
     options = StateDictOptions(flatten_optimizer_state_dict=not nested)
@@ -428,6 +366,8 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
         model, optim = get_state_dict(module, optimizer, options=options)
         state_dict = {_MODEL: model, _OPTIM: optim}
     # Read into new tensors, checked whole, before torch copies them into the module.
-    state_dict = _read_checked(fresh(state_dict), metadata, directory, reader, None)
+    state_dict = _read_checked({**fresh(state_dict), **more}, metadata, directory, reader,
+                               None)
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)
+    training_state.put(extra, state_dict)

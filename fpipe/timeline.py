@@ -8,8 +8,12 @@ never held by the pipeline: a step without one costs no clock reads.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +21,7 @@ import torch
 from fpipe.schedules.actions import Action
 from fpipe.schedules.simulate import Span
 
-__all__ = ["Recorder", "stage_memory"]
+__all__ = ["Recorder", "StepFigures", "StepLog", "bubble", "stage_memory"]
 
 
 class Recorder:
@@ -200,3 +204,75 @@ def _storage(tensor: torch.Tensor) -> int:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True)
+class StepLog:
+    """How a pipeline reports each step (``pipe.step_log = StepLog(...)``).
+
+    ``level``: the logging level of each step's :class:`StepFigures` line on
+    ``logging.getLogger("fpipe")`` (DEBUG by default; ``logging.INFO`` to see them beside the
+    pipeline's build). ``bubble``: record every step's timeline (as ``record=`` does) to
+    measure its bubble; off by default, since on CUDA a recorded step first waits for what
+    the caller had enqueued and serialises the actions sharing a device (on the CPU it costs
+    two clock reads per action). A step given ``record=`` has its bubble measured anyway.
+    """
+
+    level: int = logging.DEBUG
+    bubble: bool = False
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What one step of a pipeline did, measured (``pipe.last_step``), logged per step.
+
+    ``seconds``: the step's wall-clock time, from the call's start to its results (on CUDA,
+    the results are ready on the caller's stream, not necessarily computed). ``samples``: the
+    batch size (on a data-parallel rank, its replica's shard). ``tokens``: the count the call
+    was given (``tokens=``), or, for one integer tensor of token ids of two or more
+    dimensions as input, its element count; ``None`` otherwise (on ``fpipe.distributed``,
+    on the ranks without the input). ``peak_memory``: per CUDA device of the pipeline, the
+    most bytes allocated during the step (``torch.cuda.max_memory_allocated``, its peak
+    reset at the step's start); empty on the CPU. ``bubble``: idle time over total on the
+    workers, from the step's timeline: ``1 - busy / (makespan * workers)``, ``None`` when the
+    step recorded none (see :class:`StepLog`); a distributed rank measures its own worker.
+    """
+
+    what: str
+    seconds: float
+    samples: int
+    tokens: int | None = None
+    peak_memory: Mapping[str, int] = field(default_factory=dict)
+    bubble: float | None = None
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if self.tokens is None:
+            return None
+        return self.tokens / self.seconds if self.seconds > 0 else math.inf
+
+    def __str__(self) -> str:
+        said = [f"{self.what} took {self.seconds * 1e3:.3f} ms",
+                f"{self.samples} samples ({self.samples_per_second:.1f}/s)"]
+        if self.tokens is not None:
+            said.append(f"{self.tokens} tokens ({self.tokens_per_second:.1f}/s)")
+        said += [f"peak {device} {size / 2**20:.1f} MiB"
+                 for device, size in self.peak_memory.items()]
+        if self.bubble is not None:
+            said.append(f"bubble {self.bubble:.3f}")
+        return ", ".join(said)
+
+
+def bubble(timeline: tuple[tuple[Span, ...], ...]) -> float | None:
+    """Idle time over total on the workers of a step's timeline: ``1 - busy / (makespan *
+    workers)``, over the workers that ran an action (``None`` if none did)."""
+    workers = [spans for spans in timeline if spans]
+    if not workers:
+        return None
+    makespan = max(span.end for spans in workers for span in spans)
+    busy = sum(span.end - span.start for spans in workers for span in spans)
+    return max(0.0, 1.0 - busy / (makespan * len(workers))) if makespan > 0 else 0.0

@@ -165,6 +165,8 @@ def cases(world: int) -> list[tuple]:
              [tree_batch(6, 5, seed=5), tree_batch(5, 9, seed=6)]),
             ("interleaved", [block] * 4, interleaved_program(), [data(6, 8, seed=7)]),
             ("zero-bubble-v", [block] * 4, fdist_schedule("zbv", 3), [data(7, 8, seed=9)]),
+            # DeepSeek's pairs: a forward waits on its rank for its backward's gradient
+            ("dual-pipe-v", [block] * 4, fdist_schedule("dualpipev", 5), [data(7, 8, seed=11)]),
         ]
     else:
         result += [
@@ -176,8 +178,9 @@ def cases(world: int) -> list[tuple]:
 
 
 def fdist_schedule(name: str, chunks: int):
-    from fpipe.schedules import gpipe, one_f_one_b, zero_bubble, zero_bubble_v
-    makes = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble, "zbv": zero_bubble_v}
+    from fpipe.schedules import dual_pipe_v, gpipe, one_f_one_b, zero_bubble, zero_bubble_v
+    makes = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble, "zbv": zero_bubble_v,
+             "dualpipev": dual_pipe_v}
     return makes[name](chunks)
 
 
@@ -551,7 +554,7 @@ SCENARIOS = {"parity": parity, "leaving": leaving, "stage_raises": stage_raises,
 # -- checkpoints through torch.distributed.checkpoint (tests/test_saving_distributed.py) ---------
 # The checkpoint's directory comes from the parent in FPIPE_SAVING_DIR.
 
-SAVING_BATCHES = [data(8, 6, seed=40 + i) for i in range(3)]
+SAVING_BATCHES = [data(8, 6, seed=40 + i) for i in range(4)]
 
 
 def saving_model(seed: int) -> torch.nn.Sequential:
@@ -563,11 +566,20 @@ def saving_model(seed: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers).double()
 
 
+def saving_schedule(optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """An LR from the step count: a scheduler started over would set another LR."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+
+
 def saving_train(rank: int, balance: list[int], seed: int, steps: range, *,
                  save_at: int | None = None, load: bool = False) -> dict:
     """This rank's stage of ``from_sequential(saving_model(seed), balance)`` trained with AdamW
-    on ``SAVING_BATCHES[steps]``, saved before step ``save_at`` or loaded first; returns its
-    parameters by the model's names."""
+    and an LR scheduler on ``SAVING_BATCHES[steps]``, the whole training state (scheduler,
+    step, generators) saved before step ``save_at`` or loaded first; returns its parameters
+    by the model's names, the step counter, and what the generators drew right after the
+    save or load."""
+    import random
+
     from fpipe import saving
     from fpipe.optim import bind_grads
     from fpipe.stages import from_sequential
@@ -576,30 +588,47 @@ def saving_train(rank: int, balance: list[int], seed: int, steps: range, *,
     schedule = fdist_schedule("gpipe", 2)
     params = {st: s.params[st] for st in fdist.my_stages(schedule, len(balance), rank)}
     optimizer = torch.optim.AdamW([t for p in params.values() for t in p.values()], lr=0.01)
+    extra = {"scheduler": saving_schedule(optimizer), "step": 0}
     directory = os.environ["FPIPE_SAVING_DIR"]
+    out: dict = {}
+
+    def draws() -> tuple:
+        return torch.rand(3, dtype=torch.float64), random.random()
+
     if load:
-        saving.load(directory, params, optimizer=optimizer)
+        torch.manual_seed(100 + rank)  # other generators, restored by the load
+        saving.load(directory, params, optimizer=optimizer, extra=extra, rng=True)
+        out["draws"] = draws()
     pipe = fdist.pipeline(s.stages, params, schedule=schedule, loss_fn=mse, timeout=20)
     first, last = pipe.program.placement[0], pipe.program.placement[-1]
     for i in steps:
         if i == save_at:
-            saving.save(directory, params, optimizer=optimizer)
+            saving.save(directory, params, optimizer=optimizer, extra=extra, rng=True)
+            out["draws"] = draws()
         x, target = SAVING_BATCHES[i]
         _, grads = pipe.value_and_grad(x if rank == first else None,
                                        target if rank == last else None)
         bind_grads(params, grads)
         optimizer.step()
-    return {name: t.clone() for p in params.values() for name, t in p.items()}
+        extra["scheduler"].step()
+        extra["step"] += 1
+    pipe.close()
+    if load:  # an extra entry that differs between ranks: refused on every rank
+        out["apart"] = _outcome(lambda: saving.save(os.path.join(directory, "apart"),
+                                                    params, extra={"step": rank}))
+    out["step"] = extra["step"]
+    out["params"] = {name: t.clone() for p in params.values() for name, t in p.items()}
+    return out
 
 
 def save_on_4(rank: int, world: int) -> dict:
-    """Four stages, one a rank: three steps, the checkpoint written before the third."""
-    return saving_train(rank, [2, 2, 2, 2], seed=0, steps=range(3), save_at=2)
+    """Four stages, one a rank: four steps, the checkpoint written before the third."""
+    return saving_train(rank, [2, 2, 2, 2], seed=0, steps=range(4), save_at=2)
 
 
 def load_on_2(rank: int, world: int) -> dict:
-    """Another cut (3 + 5 layers) of another initialisation: loads, then the third step."""
-    return saving_train(rank, [3, 5], seed=1, steps=range(2, 3), load=True)
+    """Another cut (3 + 5 layers) of another initialisation: loads, then the last two steps."""
+    return saving_train(rank, [3, 5], seed=1, steps=range(2, 4), load=True)
 
 
 def save_replicas(rank: int, world: int) -> dict:
@@ -705,7 +734,7 @@ SCENARIOS["ties"] = ties
 
 def logged(rank: int, world: int) -> dict:
     """What ``logging.getLogger("fpipe")`` hears on each rank: the pipeline built, each step
-    with its duration, a step that failed."""
+    with its figures, a step that failed; and each step's figures (``pipe.last_step``)."""
     import logging
 
     records: list = []
@@ -720,10 +749,16 @@ def logged(rank: int, world: int) -> dict:
     x, target = data(8, 8, seed=50)
     with fdist.pipeline([block, block], {rank: mlp_params(2)[rank]},
                         schedule=fdist_schedule("1f1b", 2), loss_fn=mse, timeout=20) as pipe:
-        pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None)
+        pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None,
+                            tokens=64 if rank == 1 else None)
+        trained = pipe.last_step
+        pipe.step_log = fpipe.StepLog(bubble=True)
         pipe(x if rank == 0 else None)
+        forward = pipe.last_step
         _outcome(pipe.value_and_grad, x if rank == 0 else None, target[:3] if rank else None)
-    return {"records": records}
+    figures = [(f.what, f.seconds, f.samples, f.samples_per_second, f.tokens, f.bubble)
+               for f in (trained, forward, pipe.last_step)]
+    return {"records": records, "figures": figures}
 
 
 SCENARIOS["logged"] = logged

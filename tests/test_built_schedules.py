@@ -155,7 +155,9 @@ def test_dual_pipe_v(K, extra):
     assert program.placement == tuple(min(s, 2 * K - 1 - s) for s in range(2 * K))
     sim = simulate(program, EQUAL)
     assert max(sim.peak_activations) <= 2 * K + 1
-    assert sim.makespan == simulate(zero_bubble_v(chunks).program(2 * K), EQUAL).makespan
+    # one action a unit, DeepSeek's order takes ZB-V's time; its pairs wait for both inputs
+    zbv = simulate(zero_bubble_v(chunks).program(2 * K), EQUAL).makespan
+    assert simulate(program.sequential(), EQUAL).makespan == zbv <= sim.makespan
     if K > 1:
         assert sim.makespan < simulate(one_f_one_b(chunks).program(K), EQUAL.scaled(2)).makespan
 

@@ -51,13 +51,13 @@ def test_layout():
 NEW = """\
 0UNSHARD,0F0,0SEND_F0,0F1,0SEND_F1,,2RECV_F0,2F0,2SEND_F0,2RECV_F1,2F1,2SEND_F1,2RECV_B0,2I0,\
 2SEND_B0,2RECV_B1,2I1,2SEND_B1,2W0,2W1,0RECV_B0,0B0,0RECV_B1,0B1,0REDUCE_GRAD,0RESHARD
-1RECV_F0,1F0,1SEND_F0,1RECV_F1,1F1,1SEND_F1,3RECV_F0,3F0,3I0,3SEND_B0,3RECV_F1,\
-(3F1;3I1)OVERLAP_F_B,3SEND_B1,3W0,3W1,,1RECV_B0,1B0,1SEND_B0,1RECV_B1,1B1,1SEND_B1
+1RECV_F0,1F0,1SEND_F0,3RECV_F0,3F0,1RECV_F1,(1F1;3I0)OVERLAP_F_B,1SEND_F1,3SEND_B0,\
+3RECV_F1,3F1,3I1,3SEND_B1,3W0,3W1,,1RECV_B0,1B0,1SEND_B0,1RECV_B1,1B1,1SEND_B1
 """
 OLD = re.sub(r"(\d)I(\d)", r"\1B\2", re.sub(r"(\d)B(\d)", r"\1BW\2", NEW))
 EXPECTED = Program([
     ["0F0", "0F1", "2F0", "2F1", "2I0", "2I1", "2W0", "2W1", "0B0", "0B1"],
-    ["1F0", "1F1", "3F0", "3I0", "3F1", "3I1", "3W0", "3W1", "1B0", "1B1"],
+    ["1F0", "3F0", "(1F1;3I0)OVERLAP_F_B", "3F1", "3I1", "3W0", "3W1", "1B0", "1B1"],
 ], 4, 2)
 
 
@@ -71,7 +71,7 @@ def test_torch_schedules_in_both_spellings(text, spelling):
 
 
 def test_old_spelling_as_torch_wrote_it():
-    assert "1BW0" in OLD and "2B0" in OLD and "(3F1;3B1)OVERLAP_F_B" in OLD
+    assert "1BW0" in OLD and "2B0" in OLD and "(1F1;3B0)OVERLAP_F_B" in OLD
     assert not re.search(r"\dI\d", OLD)
     assert from_csv("0F0,0B0,0W0") == Program([["0F0", "0I0", "0W0"]], 1, 1)  # W, no I: old
     assert from_csv("0F0,0BW0") == Program([["0F0", "0B0"]], 1, 1)

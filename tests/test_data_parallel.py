@@ -22,8 +22,8 @@ from data_parallel_ranks import (
 from distributed_ranks import fdist_schedule, spawn
 from models import block, mlp_params, mse, whole_batch
 
-from fpipe._runtime.ranks.data_parallel import DataParallel, GradReduce, _buckets, mesh_groups
 from fpipe._runtime.instructions import compiled
+from fpipe._runtime.ranks.data_parallel import DataParallel, GradReduce, _buckets, mesh_groups
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 

@@ -143,29 +143,35 @@ def test_distributed_example_says_how_to_launch_it_and_that_command_trains(tmp_p
 
 @pytest.mark.needs_extra
 def test_scale_out_example_trains_on_a_mesh_and_another_shape_resumes_it(tmp_path):
-    """4 ranks (2 replicas x 2 pipeline workers, a tie across the workers, built on meta)
-    train and save; 2 ranks (no data parallelism) resume from the checkpoint: their first
-    evaluation is the saved job's last."""
+    """docs/scaling-out.md's two commands, as the page gives them: 4 ranks (2 replicas x 2
+    pipeline workers, a tie across the workers, built on meta) train and save; 2 ranks (no
+    data parallelism) resume from the checkpoint: their first evaluation is the saved job's
+    last. (The page's test skips that block: this one runs it.)"""
     pytest.importorskip("tqdm")
     pytest.importorskip("numpy")  # DCP on several ranks
-    script = EXAMPLES / "scale_out.py"
+    page = (EXAMPLES.parent / "docs" / "scaling-out.md").read_text()
+    block = page[page.index("```bash\n"):]
+    commands = [line for line in block[:block.index("\n```")].splitlines()
+                if line.startswith("torchrun ")]
+    assert len(commands) == 2 and "--save ckpt" in commands[0] and "--resume ckpt" in commands[1]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     torchrun = str(Path(sys.executable).with_name("torchrun"))
 
-    def run(ranks: int, *args: str) -> tuple[float, float]:
-        done = patience.run([torchrun, "--standalone", f"--nproc-per-node={ranks}",
-                             str(script), "--steps", "12", *args], 240, env=env,
-                            capture_output=True, text=True, cwd=tmp_path)
+    def run(command: str) -> tuple[float, float]:
+        args = [str(EXAMPLES.parent / a) if a.startswith("examples/") else a
+                for a in command.split()[1:]]
+        done = patience.run([torchrun, *args], 240, env=env, capture_output=True, text=True,
+                            cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         start, end = re.search(r"evaluation loss (\S+) -> (\S+)", done.stdout).groups()
         return float(start), float(end)
 
-    start, saved = run(4, "--dp", "2", "--save", "ckpt")
+    start, saved = run(commands[0])
     assert saved < 0.8 * start
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.distcp")) == [
         f"__{r}_0.distcp" for r in range(4)]
-    resumed, end = run(2, "--dp", "1", "--resume", "ckpt")
+    resumed, end = run(commands[1])
     assert resumed == pytest.approx(saved, abs=2e-6)
     assert end < resumed
 

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 from distributed_ranks import spawn
-from fsdp_ranks import CASES, DIRECTORY, MORE, STEPS, batches, model, optimiser, plain, plain_steps
+from fsdp_ranks import CASES, DIRECTORY, MORE, STEPS, model, optimiser, plain, plain_steps
 
 from fpipe import saving
 

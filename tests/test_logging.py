@@ -87,3 +87,67 @@ def test_a_distributed_pipeline_logs_as_the_local_one():
         [(level, failed)] = [r for r in records if "failed" in r[1]]
         assert level == "WARNING" and failed.startswith(f"training step on rank {rank} failed")
         assert "BatchError: the input has 8 samples but the target has 3" in failed
+        trained, forward, after_failure = result["figures"]
+        what, seconds, samples, per_second, tokens, bubble = trained
+        assert (what, samples, bubble) == (f"training step on rank {rank}", 8, None)
+        assert per_second == samples / seconds
+        assert tokens == (64 if rank == 1 else None)  # given on rank 1; rank 0's x is float
+        assert forward[2] == 8 and 0 <= forward[5] < 1  # this rank's worker's bubble
+        assert after_failure == forward  # a failed step leaves the last figures
+
+
+def test_each_step_s_figures_are_consistent_and_logged(caplog):
+    """pipe.last_step: the batch's samples, samples/s = samples / seconds, the tokens of an
+    integer input of token ids (or the count given), no bubble unless asked; the figures'
+    line at the step_log's level."""
+    caplog.set_level(logging.DEBUG, logger="fpipe")
+    x, t = data()
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=fpipe.gpipe(chunks=2),
+                        loss_fn=mse) as pipe:
+        assert pipe.last_step is None
+        pipe.value_and_grad(x, t)
+        step = pipe.last_step
+        assert (step.what, step.samples, step.tokens, step.bubble) == ("training step", 8,
+                                                                       None, None)
+        assert step.seconds > 0 and step.samples_per_second == 8 / step.seconds
+        assert step.peak_memory == {}  # the CPU's is not measured
+        pipe(x, tokens=96)
+        assert pipe.last_step.what == "forward step"
+        assert pipe.last_step.tokens_per_second == 96 / pipe.last_step.seconds
+        pipe.step_log = fpipe.StepLog(level=logging.INFO)
+        pipe(x)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if " took " in r.getMessage()]
+    assert [level for level, _ in lines] == ["DEBUG", "DEBUG", "INFO"]
+    assert lines[0][1] == str(step) and ", 8 samples (" in lines[0][1]
+    assert "96 tokens" in lines[1][1]
+
+    embed = {"e": torch.randn(10, 8, dtype=torch.float64)}
+    ids = torch.randint(0, 10, (8, 5))
+    with fpipe.pipeline([lambda p, i: p["e"][i].sum(1), block], [embed, mlp_params(2)[1]],
+                        schedule=fpipe.gpipe(chunks=2)) as pipe:
+        pipe(ids)
+        assert (pipe.last_step.samples, pipe.last_step.tokens) == (8, 40)  # 8 x 5 token ids
+        with pytest.raises(ValueError, match="tokens= must be a count"):
+            pipe(ids, tokens=-1)
+
+
+def test_the_bubble_is_measured_from_the_step_s_timeline():
+    """Idle over total on the workers: in [0, 1), larger for GPipe with 1 micro-batch (only
+    one of the 4 workers busy at a time) than with 8."""
+    g = torch.Generator().manual_seed(0)
+    params = [{"w": torch.randn(128, 128, generator=g, dtype=torch.float64) * 0.1,
+               "b": torch.zeros(128, dtype=torch.float64)} for _ in range(4)]
+    x = torch.randn(64, 128, generator=g, dtype=torch.float64)
+    bubbles = {}
+    for chunks in (1, 8):
+        with fpipe.pipeline([block] * 4, params, schedule=fpipe.gpipe(chunks=chunks),
+                            loss_fn=mse) as pipe:
+            pipe.step_log = fpipe.StepLog(bubble=True)
+            pipe.value_and_grad(x, x)
+            bubbles[chunks] = pipe.last_step.bubble
+            recorder = fpipe.Recorder()
+            pipe.step_log = fpipe.StepLog()
+            pipe.value_and_grad(x, x, record=recorder)  # a recorded step has its bubble anyway
+            assert pipe.last_step.bubble == fpipe.timeline.bubble(recorder.timeline)
+    assert all(0 <= b < 1 for b in bubbles.values()), bubbles
+    assert bubbles[1] > bubbles[8], bubbles

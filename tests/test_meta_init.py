@@ -3,6 +3,8 @@ with the values a CPU-built model gets from the same seed and the same initialis
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,24 +33,32 @@ def cut(model):
     return [TiedEmbed(model), model.body, TiedHead(model)]
 
 
-def reference(seed):
-    """The defined order on a CPU-built model: first the owner of each tie's first member
-    (its value is every copy's), then stage by stage, each submodule in ``modules()`` order
-    once, ``reset_parameters()`` where it has one. (Built untied, as materialising gives each
-    stage its own copy.)"""
-    torch.manual_seed(123)  # whatever the build draws is overwritten
-    model = Tiny(tie=False)
+def seed_of(base, name):
+    """The documented rule (docs/from-modules.md), written out here rather than imported."""
+    return int.from_bytes(hashlib.blake2b(f"{base}/{name}".encode(), digest_size=8).digest(),
+                          "little")
+
+
+def by_the_rule(model, seed, init=None):
+    """``model`` (built on the CPU, whatever it drew) initialised by the rule: one base seed
+    drawn after ``torch.manual_seed(seed)``, then each submodule under the seed of its name in
+    the model; a tied weight is its first owner's (the embedding's)."""
     torch.manual_seed(seed)
-    model.wte.reset_parameters()
-    seen = {id(model.wte)}
-    for stage in cut(model):
-        for sub in stage.modules():
-            if id(sub) not in seen and hasattr(sub, "reset_parameters"):
-                seen.add(id(sub))
-                sub.reset_parameters()
+    base = int(torch.randint(0, 2**62, ()))
     with torch.no_grad():
+        for name, sub in model.named_modules():
+            torch.manual_seed(seed_of(base, name))
+            if init is not None:
+                init(sub)
+            elif hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
         model.lm_head.weight.copy_(model.wte.weight)
     return model
+
+
+def reference(seed):
+    torch.manual_seed(123)  # whatever the build draws is overwritten
+    return by_the_rule(Tiny(tie=False), seed)
 
 
 def meta_model():
@@ -56,7 +66,7 @@ def meta_model():
         return Tiny()
 
 
-def test_a_meta_model_materialised_equals_the_cpu_model_initialised_in_the_same_order():
+def test_a_meta_model_materialised_equals_the_cpu_model_initialised_by_the_rule():
     model = meta_model()
     torch.manual_seed(5)
     s = from_modules(cut(model), root=model)
@@ -184,3 +194,133 @@ def test_a_stage_partly_on_meta_is_refused():
     with pytest.raises(ValueError, match=r"stage 0 has tensors on the meta device "
                                          r"\(\['1.weight', '1.bias'\]\) and others not"):
         from_sequential(model, [2])
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 2 * width)
+        self.proj = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.proj(torch.tanh(self.fc(self.ln(x))))
+
+
+class GPTish(nn.Module):
+    """Token embedding, blocks, final norm, and an LM head tied to the embedding."""
+
+    def __init__(self, vocab=13, width=8, depth=4, tie=True):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+
+
+class Head(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.lm_head
+
+    def forward(self, h):
+        return self.head(self.ln_f(h))
+
+
+def gpt_cut(model, bounds):
+    """Stages over the layers [embedding, block 0, ..., block 3, head], cut at ``bounds``."""
+    layers = [TiedEmbed(model), *model.blocks, Head(model)]
+    return [nn.Sequential(*layers[a:b]) for a, b in zip((0, *bounds), (*bounds, len(layers)))]
+
+
+def gpt_layouts():
+    """Name -> (cut bounds, the stages each process holds): 1F1B and interleaved placements
+    of 2 workers (from the schedules), another balance, and one process holding it all (the
+    tie then within one stage)."""
+    from fpipe.distributed import my_stages
+    from fpipe.schedules import interleaved_one_f_one_b, one_f_one_b
+
+    return {"1f1b": ((3,), [my_stages(one_f_one_b(chunks=4), 2, rank=r) for r in (0, 1)]),
+            "interleaved": ((2, 3, 4), [my_stages(interleaved_one_f_one_b(chunks=4), 4, rank=r)
+                                        for r in (0, 1)]),
+            "balance 1-3-1-1": ((1, 4, 5), [(0, 3), (1,), (2,)]),
+            "whole": ((), [(0,)])}
+
+
+def gpt_values(bounds, ranks, seed, init):
+    """Every tensor by its model name, each taken from the process (a fresh meta model, seeded
+    alike) holding it, checking that copies held twice agree; and the random state each
+    process is left in."""
+    values, states = {}, []
+    for held in ranks:
+        with torch.device("meta"):
+            model = GPTish()
+        torch.manual_seed(seed)
+        s = from_modules(gpt_cut(model, bounds), root=model, held=held, init=init)
+        states.append(torch.get_rng_state())
+        for i in held:
+            for local, value in [*s.params[i].items(), *s.state[i].items()]:
+                name = s.names[i][local]
+                assert name not in values or torch.equal(values[name], value), name
+                values[name] = value
+    return values, states
+
+
+def gpt2_style(module):
+    """An init function as Hugging Face's ``_init_weights``: called on every submodule."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
+
+
+@pytest.mark.parametrize("init", ["reset_parameters", gpt2_style], ids=["reset", "function"])
+def test_a_seed_gives_the_same_weights_in_every_layout(init):
+    """The values depend on the seed only: the 1F1B and interleaved placements, another
+    balance and one process give every tensor (both names of the tie) the same bits, those of
+    the rule applied to a CPU-built model; each process's random state after the build is the
+    same, whatever it holds; another seed gives other values."""
+    torch.manual_seed(3)
+    torch.randint(0, 2**62, ())
+    after = torch.get_rng_state()  # one draw, whatever a process holds
+    torch.manual_seed(0)
+    expected = by_the_rule(GPTish(tie=False), 3, None if init == "reset_parameters" else init)
+    expected = {**dict(expected.named_parameters()), **dict(expected.named_buffers())}
+    assert len(expected) == 28
+    for layout, (bounds, ranks) in gpt_layouts().items():
+        values, states = gpt_values(bounds, ranks, 3, init)
+        shared = {"lm_head.weight"} if layout == "whole" else set()  # one tensor, one name
+        assert sorted(values) == sorted(set(expected) - shared), layout
+        for name, value in values.items():
+            assert torch.equal(value, expected[name]), (layout, name)
+        assert all(torch.equal(state, after) for state in states), layout
+    other, _ = gpt_values((3,), [(0,), (1,)], 4, init)
+    drawn = [n for n in expected if n.endswith("weight") and "ln" not in n]
+    assert len(drawn) == 10 and not any(torch.equal(other[n], expected[n]) for n in drawn)
+
+
+def test_from_sequential_seeds_by_the_layer_names_whatever_the_balance():
+    """A meta ``nn.Sequential`` cut by any balance, held in any part, gives each layer the
+    values the rule gives the layer called ``"2"`` of the Sequential."""
+    def build():
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3), nn.LayerNorm(3))
+
+    torch.manual_seed(9)
+    base = int(torch.randint(0, 2**62, ()))
+    expected = build()
+    for name, sub in expected.named_modules():
+        if hasattr(sub, "reset_parameters"):
+            torch.manual_seed(seed_of(base, name))
+            sub.reset_parameters()
+    for balance, held in (([4], None), ([1, 3], [1]), ([2, 1, 1], [0, 2]), ([3, 1], [0])):
+        with torch.device("meta"):
+            model = build()
+        torch.manual_seed(9)
+        s = from_sequential(model, balance, held=held)
+        for i in held or [0]:
+            for name, value in s.params[i].items():
+                assert torch.equal(value, expected.get_parameter(name)), (balance, name)

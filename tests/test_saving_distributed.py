@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_ranks import SAVING_BATCHES, saving_model, spawn
+from distributed_ranks import SAVING_BATCHES, saving_model, saving_schedule, spawn
 from torch.distributed.checkpoint import FileSystemReader
 
 from fpipe import saving
@@ -30,29 +30,51 @@ def ranks(scenario: str, world: int) -> list:
 def merged(results: list) -> dict:
     out: dict = {}
     for result in results:
-        assert not set(out) & set(result)  # each stage on one rank
-        out.update(result)
+        assert not set(out) & set(result["params"])  # each stage on one rank
+        out.update(result["params"])
     return out
 
 
 def test_saved_on_4_ranks_resumes_on_2_and_in_the_plain_module(tmp_path, monkeypatch):
+    """The whole training state: parameters, AdamW, an LR scheduler, a step counter and each
+    rank's generators, saved before the third of four steps; the two last steps resumed."""
+    import random
+
     monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
-    uninterrupted = merged(ranks("save_on_4", 4))
+    saved = ranks("save_on_4", 4)
+    uninterrupted = merged(saved)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == [".metadata", *[f"__{r}_0.distcp" for r in range(4)]]  # each rank's own
 
-    resumed = merged(ranks("load_on_2", 2))  # another cut, loaded, the third step
+    loaded = ranks("load_on_2", 2)  # another cut, loaded, the last two steps
+    resumed = merged(loaded)
     assert resumed.keys() == uninterrupted.keys() == saving_model(0).state_dict().keys()
     for name, value in uninterrupted.items():
         torch.testing.assert_close(resumed[name], value, **TIGHT)
+    for rank, result in enumerate(loaded):
+        assert result["step"] == saved[rank]["step"] == 4
+        # Each rank's generators: those its rank number saved (a draw right after each).
+        assert torch.equal(result["draws"][0], saved[rank]["draws"][0])
+        assert result["draws"][1] == saved[rank]["draws"][1]
+        kind, name, message = result["apart"]  # extra entries are replicated
+        assert (kind, name) == ("error", "ValueError"), result["apart"]
+        assert "extra['step'] differs between ranks (ranks [0]; ranks [1]" in message
+    assert not (tmp_path / "apart").exists()
 
-    # The plain module and its AdamW, in one process: the third step as the ranks took it.
+    # The plain module, its AdamW and scheduler, in one process: the last steps as the ranks
+    # took them, and rank 0's generators.
     plain = saving_model(2)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01)
-    saving.load_module(tmp_path, plain, optimizer)
-    x, target = SAVING_BATCHES[2]
-    torch.nn.functional.mse_loss(plain(x), target).backward()
-    optimizer.step()
+    extra = {"scheduler": saving_schedule(optimizer), "step": 0}
+    saving.load_module(tmp_path, plain, optimizer, extra=extra, rng=True)
+    assert extra["step"] == 2
+    assert torch.equal(torch.rand(3, dtype=torch.float64), saved[0]["draws"][0])
+    assert random.random() == saved[0]["draws"][1]
+    for x, target in SAVING_BATCHES[2:]:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(plain(x), target).backward()
+        optimizer.step()
+        extra["scheduler"].step()
     for name, value in uninterrupted.items():
         torch.testing.assert_close(plain.state_dict()[name], value, **TIGHT)
 

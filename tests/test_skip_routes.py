@@ -46,3 +46,33 @@ def test_bad_declarations():
     def decorated(p, x):
         return x, {}
     assert decorated.stash == ("y", "z") and decorated.pop == ()
+
+
+def test_the_engine_takes_skips_as_data():
+    """The faces read the declarations once (``declared``); the engine gets a plain value and
+    never imports the declaring layer, so another way of declaring skips needs only a Skips."""
+    import ast
+    import pathlib
+
+    import fpipe._runtime
+    from fpipe._runtime.skips import Skips
+    from fpipe.stages.skip import declared
+
+    stages = [skippable(plain, stash=["b", "a"]), plain, skippable(plain, pop=["a"]),
+              skippable(plain, pop=["b"])]
+    skips = declared(stages)
+    assert skips == Skips(pops=((), (), ("a",), ("b",)), stashes=(("a", "b"), (), (), ()),
+                          routes={"a": (0, 2), "b": (0, 3)})
+    assert declared([plain, plain]) == Skips.none(2)
+    with pytest.raises(TypeError):
+        skips.routes["c"] = (1, 2)  # frozen: the engine cannot change a route
+
+    root = pathlib.Path(fpipe._runtime.__file__).parent
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            importers += [f"{path.relative_to(root)}: {n}" for n in names
+                          if n.startswith("fpipe.stages")]
+    assert importers == []

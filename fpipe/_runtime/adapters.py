@@ -24,7 +24,6 @@ import torch
 from fpipe._runtime.compiled import batch_dynamic, is_compiled
 from fpipe._runtime.values import check_output, differentiable, flatten
 from fpipe.errors import StageError
-from fpipe.stages.skip import pops, stashes
 
 __all__ = ["MicroBatch", "Core", "user_core", "dynamic_batch", "with_loss", "core_of"]
 
@@ -44,11 +43,12 @@ class MicroBatch:
 Core = Callable[[Any, Any, tuple, MicroBatch], tuple[tuple, Any]]
 
 
-def core_of(fn: Callable, stateful: bool, loss_fn: Callable | None = None) -> Core:
-    """``fn`` as a core: its calling convention and skips, the compiled-stage adapter when
-    ``torch.compile`` made it, and ``loss_fn`` on top when given (the last stage of a training
-    step)."""
-    core = user_core(fn, stateful, pops(fn), stashes(fn))
+def core_of(fn: Callable, stateful: bool, loss_fn: Callable | None = None,
+            pops: tuple[str, ...] = (), stashes: tuple[str, ...] = ()) -> Core:
+    """``fn`` as a core: its calling convention and the skips it pops and stashes, the
+    compiled-stage adapter when ``torch.compile`` made it, and ``loss_fn`` on top when given (the
+    last stage of a training step)."""
+    core = user_core(fn, stateful, pops, stashes)
     if is_compiled(fn):
         core = dynamic_batch(core)
     return core if loss_fn is None else with_loss(core, loss_fn)

@@ -24,8 +24,6 @@ from typing import Any
 import optree
 import torch
 
-from fpipe.stages.skip import Skippable
-
 __all__ = ["is_compiled", "batch_dynamic"]
 
 
@@ -39,7 +37,7 @@ def is_compiled(stage: Callable) -> bool:
                 or hasattr(stage, "_torchdynamo_orig_callable")):
             return True
         seen.add(id(stage))
-        stage = stage.fn if isinstance(stage, Skippable) else getattr(stage, "__wrapped__", None)
+        stage = getattr(stage, "__wrapped__", None)
     return False
 
 

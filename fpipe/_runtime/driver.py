@@ -25,6 +25,7 @@ from fpipe._runtime.autodiff import Value
 from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.rng import StepSeed, UnseededDraws
+from fpipe._runtime.skips import Skips
 from fpipe._runtime.step import Ends, Step, TrainResult, Vjp
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.thread_state import ThreadState
@@ -82,13 +83,14 @@ class LocalDriver:
     def __init__(self, stages: Sequence[Callable], param_specs: Sequence[optree.PyTreeSpec],
                  devices: Sequence[torch.device], n_workers: int,
                  loss_fn: Callable | None, stateful: bool = False,
-                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd") -> None:
+                 grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
+                 skips: Skips | None = None) -> None:
         self.devices = list(devices)
         self.stateful = stateful
         self.transport = Transport(self.devices)
         self.interpreter = Interpreter(stages, param_specs, self.devices, loss_fn,
                                        self.transport, stateful, grad_dtype, autodiff,
-                                       concurrent=n_workers > 1)
+                                       concurrent=n_workers > 1, skips=skips)
         warn_if_oversubscribed(n_workers)
         self.pool = WorkerPool(n_workers)
         self._compiled: dict[tuple, tuple] = {}

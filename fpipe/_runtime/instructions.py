@@ -37,10 +37,12 @@ class Kind:
 
     A forward is *kept* when its vjp is built at once and *dropped* when only its input is kept
     for a later recompute (or, in inference, nothing); a *split* forward or recompute builds a
-    vjp whose backward runs as I then W. ``name`` is how errors call it."""
+    vjp whose backward runs as I then W. ``name`` is how errors call it. An instruction with
+    no ``op`` is no action of the program: ``await`` receives, before an overlapped pair's
+    forward, what the pair's backward needs."""
 
     name: str
-    op: Op
+    op: Op | None
     handler: Callable[..., None] = field(repr=False)
     keep: bool = False
     split: bool = False
@@ -63,6 +65,7 @@ def _kinds() -> dict[str, Kind]:
                                split=True),
         "backward_weight": Kind("weight-gradient backward", Op.BACKWARD_WEIGHT,
                                 _backward_weight),
+        "await": Kind("wait for the paired backward's input", None, _await),
     }
 
 
@@ -86,7 +89,9 @@ def compiled(cache: dict, program: Program, training: bool, stateful: bool = Fal
 
 def _compile(program: Program, training: bool) -> tuple[tuple[tuple[Kind, int, int], ...], ...]:
     """Per worker, ``(kind, stage, microbatch)`` for each action: a forward's kind depends on
-    whether its pair is recomputed later and whether its backward is split."""
+    whether its pair is recomputed later and whether its backward is split. The forward of an
+    overlapped pair (:class:`~fpipe.schedules.Overlap`) is preceded by an ``await`` of its
+    backward's inputs, so the pair starts as one unit, as DeepSeek's runtime runs it."""
     def having(op: Op) -> set[tuple[int, int]]:
         return {(a.stage, a.microbatch) for w in program.workers for a in w if a.op is op}
 
@@ -104,7 +109,15 @@ def _compile(program: Program, training: bool) -> tuple[tuple[tuple[Kind, int, i
             return KINDS["recompute_split" if pair in split else "recompute"]
         return by_op[action.op]
 
-    return tuple(tuple((kind(a), a.stage, a.microbatch) for a in worker)
+    partner = {o.forward: o.backward for o in program.overlaps}
+
+    def instructions(action) -> tuple:
+        own = ((kind(action), action.stage, action.microbatch),)
+        paired = partner.get(action)
+        return own if paired is None else (
+            (KINDS["await"], paired.stage, paired.microbatch), *own)
+
+    return tuple(tuple(i for a in worker for i in instructions(a))
                  for worker in program.workers)
 
 
@@ -126,7 +139,14 @@ def _check_forward_order(program: Program) -> None:
 # known) runs each worker's compiled actions cut at its turn.
 
 def check_turn(plan: tuple) -> None:
-    """A program can be cut at its turn when every worker runs all its forwards first."""
+    """A program can be cut at its turn when every worker runs all its forwards first, and
+    holds no overlapped pair (whose forward would run in the first call and backward in the
+    second, so it could not wait for the backward's input)."""
+    if any(kind.op is None for actions in plan for kind, _, _ in actions):
+        raise ValueError("a step run in two calls (vjp) cannot run a program with overlapped "
+                         "forward-backward pairs (Program.overlaps): a pair's forward would "
+                         "run before the cotangents its backward needs are known; run "
+                         "program.sequential(), or dual_pipe_v(..., overlap=False)")
     if any(kind.forward for actions in plan for kind, _, _ in after_turn(actions)):
         raise ValueError("a step run in two calls needs a program whose workers run all "
                          "their forwards before any other action, such as gpipe's")
@@ -247,16 +267,30 @@ def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, inputs))
 
 
-def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
-    """A backward (B), or its input half (I, which leaves the weight half pending): the output's
-    cotangent in, parameter gradients summed, input gradients sent back."""
-    step, channel, interpreter = job.step, job.channel, job.interpreter
-    device = interpreter.devices[stage]
+def _cotangent(job: Job, stage: int, microbatch: int) -> list:
+    """What a backward receives: its output's cotangent, then each stashed skip's."""
+    device, channel = job.interpreter.devices[stage], job.channel
     cotangent: list = []
     if stage < job.last:
         cotangent = list(channel.receive(("g", stage, microbatch), device))
-    for name in interpreter.stashes[stage]:
+    for name in job.interpreter.stashes[stage]:
         cotangent += channel.receive(("t", name, microbatch), device)
+    return cotangent
+
+
+def _await(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """Receive the inputs of an overlapped pair's backward before its forward runs."""
+    job.step.awaited[stage, microbatch] = _cotangent(job, stage, microbatch)
+
+
+def _backward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
+    """A backward (B), or its input half (I, which leaves the weight half pending): the output's
+    cotangent in, parameter gradients summed, input gradients sent back."""
+    step, interpreter = job.step, job.interpreter
+    device = interpreter.devices[stage]
+    cotangent = step.awaited.pop((stage, microbatch), None)
+    if cotangent is None:
+        cotangent = _cotangent(job, stage, microbatch)
     vjp_fn, counts = step.vjps.pop((stage, microbatch))
     # Everything below touches the device's tensors: on its compute stream.
     with interpreter.transport.compute(device), job.timed(kind, stage, microbatch):

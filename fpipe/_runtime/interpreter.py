@@ -16,10 +16,10 @@ from fpipe._runtime.autodiff import ENGINES, StageCall
 from fpipe._runtime.compiled import is_compiled
 from fpipe._runtime.instructions import Job, located
 from fpipe._runtime.rng import RandomStages
+from fpipe._runtime.skips import Skips
 from fpipe._runtime.step import Channel, Step
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.workers import Aborted
-from fpipe.stages.skip import pops, skip_routes, stashes
 
 __all__ = ["Interpreter"]
 
@@ -34,17 +34,16 @@ class Interpreter:
                  devices: Sequence[torch.device], loss_fn: Callable | None,
                  transport: Transport, stateful: bool = False,
                  grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
-                 concurrent: bool = True) -> None:
+                 concurrent: bool = True, skips: Skips | None = None) -> None:
         if autodiff not in ENGINES:
             raise ValueError(f"autodiff must be 'func' or 'autograd', got {autodiff!r}")
         n = len(stages)
         self.grad_dtype = grad_dtype
         self.devices = list(devices)
-        self.routes = skip_routes(stages)
+        skips = Skips.none(n) if skips is None else skips
         # Per stage, the names of the skips it pops (inputs after x) and stashes (outputs
-        # after y): where the handlers route them.
-        self.pops = [pops(fn) for fn in stages]
-        self.stashes = [stashes(fn) for fn in stages]
+        # after y), and each skip's (stashing, popping) stages: where the handlers route them.
+        self.routes, self.pops, self.stashes = skips.routes, skips.pops, skips.stashes
 
         def calls(grad_input: Callable[[int], bool], loss: Callable | None) -> list:
             # A ``None`` spec marks a stage this process does not hold (distributed): no call.
@@ -67,7 +66,8 @@ class Interpreter:
               autodiff: str, loss_fn: Callable | None) -> StageCall:
         """Stage ``s`` adapted to a core (see :mod:`fpipe._runtime.adapters`), ready to run."""
         return StageCall(
-            core_of(fn, stateful, loss_fn), spec, grad_input=grad_input,
+            core_of(fn, stateful, loss_fn, self.pops[s], self.stashes[s]), spec,
+            grad_input=grad_input,
             # torch.func.vjp would run a compiled stage uncompiled (see compiled.py)
             engine=ENGINES["autograd" if is_compiled(fn) else autodiff],
             inputs_named=("its input x", *(f"skip {name!r}" for name in self.pops[s])),

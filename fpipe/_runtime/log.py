@@ -2,7 +2,9 @@
 
 - INFO: a pipeline built (stages, devices, the program it runs), worker threads started and
   stopped;
-- DEBUG: every step, with its duration;
+- DEBUG (or the level of the pipeline's ``step_log``): every step, with its figures
+  (:class:`fpipe.timeline.StepFigures`: duration, samples and tokens per second, peak memory,
+  bubble);
 - WARNING: a step that failed (before its exception reaches the caller) and a step much slower
   than the recent ones (a recompile, a straggler, a machine that got busy).
 """
@@ -13,8 +15,14 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from fpipe._runtime.figures import Measure
+from fpipe.timeline import StepLog
 
 __all__ = ["logger", "StepTimes"]
 
@@ -25,22 +33,30 @@ RECENT = 20  # how many recent steps the median is taken over (at least 5 before
 
 
 class StepTimes:
-    """The durations of a pipeline's recent steps, and the log lines of each new one."""
+    """The durations of a pipeline's recent steps, the figures of the last one, and the log
+    lines of each new one."""
 
     def __init__(self) -> None:
         self.recent: deque[float] = deque(maxlen=RECENT)
+        self.last: Any = None  # the last step's StepFigures
 
     @contextmanager
-    def step(self, what: str) -> Iterator[None]:
+    def step(self, what: str, devices: Sequence[torch.device] = (), log: Any = None,
+             record: Any = None) -> Iterator[Any]:
+        """Measure one step; yields its :class:`~fpipe._runtime.figures.Measure`, whose
+        ``record`` the step records its timeline into and whose counts the face sets."""
+        log = StepLog() if log is None else log
+        measure = Measure(what, devices, log, record)
         start = time.perf_counter()
         try:
-            yield
+            yield measure
         except BaseException as exc:
             logger.warning("%s failed after %.3f s: %s: %s", what,
                            time.perf_counter() - start, type(exc).__name__, exc)
             raise
         seconds = time.perf_counter() - start
-        logger.debug("%s took %.3f ms", what, seconds * 1e3)
+        self.last = measure.figures(seconds)
+        logger.log(log.level, "%s", self.last)
         if len(self.recent) >= 5:
             median = statistics.median(self.recent)
             if seconds > SLOW * median:

@@ -116,6 +116,8 @@ class Step:
         self.vjps: dict[tuple[int, int], tuple[Callable, tuple[int, ...]]] = {}
         # Per (stage, micro-batch) between its I and its W: the backward's second half.
         self.pending_weights: dict[tuple[int, int], SplitVJP] = {}
+        # Per (stage, micro-batch): a paired backward's inputs, received before its forward.
+        self.awaited: dict[tuple[int, int], list] = {}
         self.grads = GradSums(params)
         self.outputs: list = [None] * len(sizes)
         self.error: BaseException | None = None

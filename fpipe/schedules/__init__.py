@@ -10,7 +10,19 @@ Hypothesis strategies for testing schedules are in :mod:`fpipe.schedules.strateg
 imported here).
 """
 
-from fpipe.schedules.actions import Action, B, F, I, Op, Program, R, W, placement_of, program_of
+from fpipe.schedules.actions import (
+    Action,
+    B,
+    F,
+    I,
+    Op,
+    Overlap,
+    Program,
+    R,
+    W,
+    placement_of,
+    program_of,
+)
 from fpipe.schedules.builder import ListScheduled, backward_first, forward_first, list_schedule
 from fpipe.schedules.colocate import colocate
 from fpipe.schedules.csv_format import from_csv, to_csv
@@ -29,7 +41,15 @@ from fpipe.schedules.one_f_one_b import OneFOneB, one_f_one_b
 from fpipe.schedules.remat import apply_remat, normalize_remat
 from fpipe.schedules.render import draw, listing, render
 from fpipe.schedules.search import FAMILIES, Choice, Trial, choose_schedule
-from fpipe.schedules.simulate import Breakdown, Costs, Simulation, Span, in_flight, simulate
+from fpipe.schedules.simulate import (
+    Breakdown,
+    Costs,
+    Simulation,
+    Span,
+    UnmeasuredCostWarning,
+    in_flight,
+    simulate,
+)
 from fpipe.schedules.trace import chrome_trace, write_chrome_trace
 from fpipe.schedules.validate import ScheduleError, StageCountError, validate
 from fpipe.schedules.zero_bubble import ZeroBubble, ZeroBubbleV, zero_bubble, zero_bubble_v
@@ -44,5 +64,5 @@ __all__ = [
     "Memory", "peak_bytes", "check_memory", "choose_schedule", "Choice", "Trial", "FAMILIES",
     "StageCountError", "list_schedule", "ListScheduled", "backward_first", "forward_first",
     "dual_pipe_v", "DualPipeV", "interleaved_zero_bubble", "InterleavedZeroBubble",
-    "placement_of", "F", "R", "B", "I", "W",
+    "placement_of", "F", "R", "B", "I", "W", "Overlap", "UnmeasuredCostWarning",
 ]

@@ -4,6 +4,12 @@ A program says, for each worker, the ordered actions it executes. Nothing here k
 tensors or devices, so a program can be built, printed, parsed, validated and simulated before
 anything runs. Actions print in the spelling of ``torch.distributed.pipelining`` (``2F0`` is
 stage 2, forward, micro-batch 0) so schedules can move between the two projects.
+
+An :class:`Overlap` pairs a forward with a backward of another stage on the same worker as one
+unit, as DeepSeek's DualPipe runs them: the unit starts once both have their inputs. A
+program keeps its workers' actions in a flat order (a pair's forward, then its backward) and
+the pairs beside them, so code that only needs the order reads :attr:`Program.workers` and
+code that honours the pairs reads :attr:`Program.units`.
 """
 
 from __future__ import annotations
@@ -73,7 +79,61 @@ class Action:
         return cls(int(stage), Op(op), int(microbatch))
 
 
+_OVERLAP_RE = re.compile(r"^\s*\(([^;()]*);([^;()]*)\)\s*(OVERLAP_F_B)?\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """A forward and a backward (``B`` or ``I``) of two stages on one worker, run as one unit.
+
+    Why: DeepSeek's DualPipe overlaps one micro-batch's forward with another's backward, so
+    that each one's communication hides behind the other's compute. The unit starts when the
+    inputs of both are there (the forward waits for the backward's gradient too, as DeepSeek's
+    runtime receives both before computing), which is what makes its bubble DeepSeek's. The
+    two must not depend on each other: other stages, other micro-batches
+    (:func:`fpipe.schedules.validate` checks it). It prints as torch spells its overlapped
+    action, ``(0F1;1B0)OVERLAP_F_B``.
+    """
+
+    forward: Action
+    backward: Action
+
+    def __init__(self, forward: ActionLike, backward: ActionLike) -> None:
+        object.__setattr__(self, "forward", _as_action(forward))
+        object.__setattr__(self, "backward", _as_action(backward))
+
+    @property
+    def actions(self) -> tuple[Action, Action]:
+        """The forward, then the backward: the order a worker runs them in one at a time."""
+        return (self.forward, self.backward)
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward})OVERLAP_F_B"
+
+    def __repr__(self) -> str:
+        return f"Overlap({self.forward}, {self.backward})"
+
+    @classmethod
+    def parse(cls, text: str) -> Overlap:
+        """Parse ``(0F1;1B0)OVERLAP_F_B`` (the suffix may be left out: ``(0F1;1B0)``)."""
+        match = _OVERLAP_RE.match(text)
+        if match is None:
+            raise ValueError(f"cannot parse overlapped pair {text!r}: expected "
+                             f"(<forward>;<backward>)OVERLAP_F_B, e.g. '(0F1;1B0)OVERLAP_F_B'")
+        return cls(Action.parse(match.group(1)), Action.parse(match.group(2)))
+
+
 ActionLike = Action | str
+#: What a worker's list may hold: actions, and overlapped pairs of them.
+Unit = Action | Overlap
+
+
+def _as_unit(item: object) -> Unit:
+    if isinstance(item, (Action, Overlap)):
+        return item
+    if isinstance(item, str) and item.lstrip().startswith("("):
+        return Overlap.parse(item)
+    return _as_action(item)  # type: ignore[arg-type]
 
 
 def _as_action(item: ActionLike) -> Action:
@@ -89,8 +149,11 @@ class Program:
     """Per worker, the ordered actions it executes (contract 4 of DESIGN.md).
 
     ``workers[w]`` is worker ``w``'s tuple of actions. Actions may be given as ``Action`` values
-    or as strings like ``"0F0"``. Which worker holds which stage follows from the actions; see
-    :attr:`placement`. A program is immutable and hashable, and it is its own schedule:
+    or as strings like ``"0F0"``, and a forward overlapped with a backward as an
+    :class:`Overlap` (or ``"(0F1;1B0)OVERLAP_F_B"``): ``workers`` then holds its two actions in
+    order and ``overlaps`` the pair (pairs may also be given there, by their actions). Which
+    worker holds which stage follows from the actions; see :attr:`placement`. A program is
+    immutable and hashable, and it is its own schedule:
     ``program.program(n_stages)`` returns it, so a hand-written program can be passed wherever a
     schedule is expected.
     """
@@ -98,20 +161,32 @@ class Program:
     workers: tuple[tuple[Action, ...], ...]
     n_stages: int
     n_microbatches: int
+    overlaps: frozenset[Overlap]
 
     def __init__(
         self,
-        workers: Iterable[Iterable[ActionLike]],
+        workers: Iterable[Iterable[ActionLike | Overlap]],
         n_stages: int,
         n_microbatches: int,
+        overlaps: Iterable[Overlap] = (),
     ) -> None:
         if isinstance(workers, (str, bytes)):
             raise TypeError("workers must be a sequence of per-worker action sequences")
-        object.__setattr__(
-            self, "workers", tuple(tuple(_as_action(a) for a in actions) for actions in workers)
-        )
+        pairs = {_as_overlap(o) for o in overlaps}
+        flat = []
+        for items in workers:
+            actions: list[Action] = []
+            for unit in map(_as_unit, items):
+                if isinstance(unit, Overlap):
+                    pairs.add(unit)
+                    actions.extend(unit.actions)
+                else:
+                    actions.append(unit)
+            flat.append(tuple(actions))
+        object.__setattr__(self, "workers", tuple(flat))
         object.__setattr__(self, "n_stages", positive_int("n_stages", n_stages))
         object.__setattr__(self, "n_microbatches", positive_int("n_microbatches", n_microbatches))
+        object.__setattr__(self, "overlaps", frozenset(pairs))
 
     @property
     def n_workers(self) -> int:
@@ -137,6 +212,34 @@ class Program:
             )
         return self
 
+    @cached_property
+    def units(self) -> tuple[tuple[Unit, ...], ...]:
+        """Per worker, what it runs as one: an action, or an :class:`Overlap` where a pair's
+        forward is followed at once by its backward (a pair whose actions are not so placed is
+        left as two actions here, and :func:`~fpipe.schedules.validate` rejects it)."""
+        if not self.overlaps:
+            return tuple(tuple(actions) for actions in self.workers)
+        partner = {o.forward: o for o in self.overlaps}
+        units = []
+        for actions in self.workers:
+            out: list[Unit] = []
+            i = 0
+            while i < len(actions):
+                pair = partner.get(actions[i])
+                if pair is not None and i + 1 < len(actions) and actions[i + 1] == pair.backward:
+                    out.append(pair)
+                    i += 2
+                else:
+                    out.append(actions[i])
+                    i += 1
+            units.append(tuple(out))
+        return tuple(units)
+
+    def sequential(self) -> Program:
+        """The same order with no pair overlapped: each action a unit of its own, so a pair's
+        forward no longer waits for its backward's input."""
+        return Program(self.workers, self.n_stages, self.n_microbatches)
+
     def forward_only(self) -> Program:
         """The same program with every action but the forwards removed (inference)."""
         return Program(
@@ -147,14 +250,14 @@ class Program:
 
     def __str__(self) -> str:
         return "\n".join(
-            f"worker {w}: " + " ".join(str(a) for a in actions)
-            for w, actions in enumerate(self.workers)
+            f"worker {w}: " + " ".join(str(a) for a in units)
+            for w, units in enumerate(self.units)
         )
 
     def __repr__(self) -> str:
         return (
             f"Program(n_stages={self.n_stages}, n_microbatches={self.n_microbatches}, "
-            f"workers={[[str(a) for a in actions] for actions in self.workers]})"
+            f"workers={[[str(a) for a in units] for units in self.units]})"
         )
 
     @classmethod
@@ -173,20 +276,31 @@ class Program:
                     f"line {number + 1} of the program should start with 'worker {number}:', "
                     f"got {line!r}"
                 )
-            workers.append([Action.parse(token) for token in body.split()])
+            workers.append([_as_unit(token) for token in body.split()])
         return cls.from_actions(workers, n_stages, n_microbatches)
 
     @classmethod
-    def from_actions(cls, workers: Sequence[Sequence[ActionLike]], n_stages: int | None = None,
+    def from_actions(cls, workers: Sequence[Sequence[ActionLike | Overlap]],
+                     n_stages: int | None = None,
                      n_microbatches: int | None = None) -> Program:
         """Build a program, inferring stage and micro-batch counts that are not given."""
-        actions = [[_as_action(a) for a in worker] for worker in workers]
-        every = [a for worker in actions for a in worker]
+        actions = [[_as_unit(a) for a in worker] for worker in workers]
+        every = [a for worker in actions for unit in worker
+                 for a in (unit.actions if isinstance(unit, Overlap) else (unit,))]
         if n_stages is None:
             n_stages = 1 + max((a.stage for a in every), default=0)
         if n_microbatches is None:
             n_microbatches = 1 + max((a.microbatch for a in every), default=0)
         return cls(actions, n_stages, n_microbatches)
+
+
+def _as_overlap(item: object) -> Overlap:
+    if isinstance(item, Overlap):
+        return item
+    if isinstance(item, str):
+        return Overlap.parse(item)
+    raise TypeError(f"overlaps holds Overlap values or strings such as '(0F1;1B0)OVERLAP_F_B', "
+                    f"got {type(item).__name__}")
 
 
 def program_of(schedule: object, n_stages: int) -> Program:

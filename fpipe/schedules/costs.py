@@ -27,6 +27,7 @@ Cost = float | tuple[float, ...]
 #: with the micro-batch (:meth:`Costs.scaled`), unlike ``overhead`` and ``latency``.
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "recompute")
 SCOPES = ("stage", "model")
+OVERLAPS = ("sum", "max")
 STATISTICS = {"mean": statistics.fmean, "median": statistics.median}
 
 
@@ -54,6 +55,16 @@ class Costs:
     ``overhead`` is the driver's time between two actions of a worker (dispatch, hand-offs),
     charged before each action unless the worker waits for an input anyway.
 
+    ``overlap`` is what a forward and a backward run as one unit (an
+    :class:`~fpipe.schedules.Overlap`, DualPipeV's pairs) cost: ``"sum"`` (the default) their
+    two costs one after the other, as fpipe runs them, on one stream; ``"max"`` the longer of
+    the two, as where they truly overlap (DeepSeek's two streams, communication hidden).
+
+    ``unmeasured`` holds ``(name, stage)`` for each op cost that :meth:`from_timeline` derived
+    rather than measured (``stage`` ``None`` once the costs are for the whole model);
+    :func:`~fpipe.schedules.simulate` warns when it prices a recompute with such a cost (a
+    recompute measured 1.3-1.9x a forward where costs assumed one forward).
+
     ``per="stage"`` (the default) gives the costs of one stage; ``per="model"`` those of the
     whole model, split evenly over the stages of the program simulated, so one value compares
     schedules with one stage per worker to those with several (interleaved, ZB-V): a program of
@@ -71,13 +82,26 @@ class Costs:
     overhead: float = 0.0
     latency: float = 0.0
     per: str = "stage"
+    overlap: str = "sum"
+    unmeasured: frozenset[tuple[str, int | None]] = frozenset()
 
     def __post_init__(self) -> None:
         if self.per not in SCOPES:
             raise ValueError(f"costs.per must be 'stage' or 'model', got {self.per!r}")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"costs.overlap must be 'sum' or 'max', got {self.overlap!r}")
+        try:
+            unmeasured = frozenset((name, stage) for name, stage in self.unmeasured)
+        except (TypeError, ValueError):
+            unmeasured = None
+        if unmeasured is None or any(name not in COMPUTE or not (
+                stage is None or isinstance(stage, int)) for name, stage in unmeasured):
+            raise ValueError(f"costs.unmeasured holds (op cost's name, stage) pairs, names "
+                             f"among {', '.join(COMPUTE)}, got {self.unmeasured!r}")
+        object.__setattr__(self, "unmeasured", unmeasured)
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name != "per" and value is not None:
+            if field.name not in ("per", "overlap", "unmeasured") and value is not None:
                 value = _cost(field.name, value)
                 if isinstance(value, tuple) and (field.name in ("overhead", "latency")
                                                  or self.per == "model"):
@@ -168,7 +192,8 @@ class Costs:
             return sum(cost) if isinstance(cost, tuple) else cost * n_stages
 
         return replace(stage, per="model", **{name: total(getattr(stage, name))
-                                              for name in COMPUTE})
+                                              for name in COMPUTE},
+                       unmeasured=frozenset((name, None) for name, _ in stage.unmeasured))
 
     @classmethod
     def from_timeline(cls, *timelines: Sequence[Sequence[object]], n_stages: int | None = None,
@@ -182,7 +207,8 @@ class Costs:
           hand-off) costs the step what it costs, however rare; the median describes the
           typical action instead. Ops the steps did not run are derived as in the class doc:
           split backwards give ``backward = backward_input + backward_weight``, full ones give
-          halves of ``backward``, and without recomputes ``recompute = forward``.
+          halves of ``backward``, and without recomputes ``recompute = forward``; their
+          names are in ``unmeasured``.
         - ``overhead`` is the mean (or median) gap between an action and the one before it on
           its worker (or the step's start), over the actions that had nothing to wait for from
           another worker.
@@ -221,8 +247,10 @@ class Costs:
             for name in COMPUTE:
                 ops[name].append(getattr(stage, name))
         overhead, latency = _gaps(timelines, n_stages, average)
+        unmeasured = {(name, s) for op, name in zip((F, B, I, W, R), COMPUTE)
+                      for s in range(n_stages) if (op, s) not in durations_of}
         return cls(**{name: tuple(values) for name, values in ops.items()},
-                   overhead=overhead, latency=latency)
+                   overhead=overhead, latency=latency, unmeasured=frozenset(unmeasured))
 
 
 def _gaps(timelines: Sequence[Sequence[Sequence[object]]], n_stages: int,

@@ -7,8 +7,9 @@ rank sits idle. Its lowered schedules also hold communication and resharding act
 forward with a backward as ``(0F1;1B0)OVERLAP_F_B``.
 
 fpipe reads all of these. Transfers are implied by a program's data dependencies, so
-communication and resharding actions are dropped on import; a fused ``OVERLAP_F_B`` becomes its
-parts, in order; empty cells are skipped.
+communication and resharding actions are dropped on import; a fused ``OVERLAP_F_B`` becomes an
+:class:`~fpipe.schedules.Overlap` of its forward and backward (its parts in order, paired),
+and :func:`to_csv` writes a program's pairs back the same way; empty cells are skipped.
 
 torch has spelt the backward two ways:
 
@@ -28,7 +29,7 @@ import os
 import re
 from pathlib import Path
 
-from fpipe.schedules.actions import Action, B, F, I, Program, R, W, positive_int
+from fpipe.schedules.actions import Action, B, F, I, Overlap, Program, R, W, positive_int
 
 __all__ = ["to_csv", "from_csv", "SPELLINGS"]
 
@@ -59,8 +60,8 @@ def to_csv(program: Program, path: str | os.PathLike[str] | None = None) -> str:
     """
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    for actions in program.workers:
-        writer.writerow([str(a) for a in actions])
+    for units in program.units:
+        writer.writerow([str(unit) for unit in units])
     text = buffer.getvalue()
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
@@ -88,10 +89,11 @@ def from_csv(text_or_path: str | os.PathLike[str], n_stages: int | None = None,
         raise ValueError(f"spelling must be one of {', '.join(map(repr, SPELLINGS))}, "
                          f"got {spelling!r}")
     rows = list(csv.reader(io.StringIO(_read(text_or_path))))
-    cells = [[_parse_cell(cell, r, c) for c, cell in enumerate(row)] for r, row in enumerate(rows)]
-    ops = {op for row in cells for parsed in row for _, op, _, _ in parsed}
+    cells = [[(_parse_cell(cell, r, c), bool(_FUSED_RE.fullmatch(cell.strip())))
+              for c, cell in enumerate(row)] for r, row in enumerate(rows)]
+    ops = {op for row in cells for parsed, _ in row for _, op, _, _ in parsed}
     meaning = _OLD if _spelling(spelling, ops, cells) == "old" else _NEW
-    every = [p for row in cells for parsed in row for p in parsed]
+    every = [p for row in cells for parsed, _ in row for p in parsed]
     n_stages = (1 + max((p[0] for p in every), default=0) if n_stages is None
                 else positive_int("n_stages", n_stages))
     why = (f"n_microbatches={n_microbatches}" if n_microbatches is not None
@@ -99,11 +101,20 @@ def from_csv(text_or_path: str | os.PathLike[str], n_stages: int | None = None,
     n_microbatches = (_microbatches(every) if n_microbatches is None
                       else positive_int("n_microbatches", n_microbatches))
     _check_range(every, n_stages, n_microbatches, why)
-    workers = [
-        [Action(stage, meaning[op], mb) for parsed in row for stage, op, mb, _ in parsed]
-        for row in cells
-    ]
+    workers = [[_unit(parsed, meaning, fused) for parsed, fused in row if parsed]
+               for row in cells]
     return Program(workers, n_stages, n_microbatches)
+
+
+def _unit(parsed: list[_Parsed], meaning: dict, fused: bool) -> Action | Overlap:
+    actions = [Action(stage, meaning[op], mb) for stage, op, mb, _ in parsed]
+    if not fused:
+        return actions[0]
+    if len(actions) != 2 or actions[0].op is not F or actions[1].op not in (B, I):
+        raise ValueError(f"{parsed[0][3]}: an OVERLAP_F_B pairs a forward with a backward "
+                         f"(B or I), as (0F1;1B0)OVERLAP_F_B, got "
+                         f"{' and '.join(map(str, actions))}")
+    return Overlap(*actions)
 
 
 def _microbatches(every: list[_Parsed]) -> int:
@@ -167,9 +178,9 @@ def _parse_cell(cell: str, row: int, column: int) -> list[_Parsed]:
     return [(int(stage), op, int(mb), f"{text!r} at {where}")]
 
 
-def _spelling(spelling: str, ops: set[str], cells: list[list[list[_Parsed]]]) -> str:
+def _spelling(spelling: str, ops: set[str], cells: list) -> str:
     def first(op: str) -> str:
-        return next(p[3] for row in cells for parsed in row for p in parsed if p[1] == op)
+        return next(p[3] for row in cells for parsed, _ in row for p in parsed if p[1] == op)
 
     if "BW" in ops and "I" in ops:
         raise ValueError(

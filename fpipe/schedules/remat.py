@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import overload
 
-from fpipe.schedules.actions import Action, B, I, Program, R, positive_int, program_of
+from fpipe.schedules.actions import Action, B, I, Overlap, Program, R, positive_int, program_of
 
 #: A normalised policy: one of :data:`POLICIES`, or the frozenset of stages to recompute.
 RematPolicy = str | frozenset[int]
@@ -74,6 +74,9 @@ def apply_remat(program: object, policy: object) -> Program | Rematerialized:
     backpropagated first frees its activations before any recompute builds another's: the
     peak holds one micro-batch's activations, not two.
 
+    A backward overlapped with a forward (:class:`~fpipe.schedules.Overlap`) gets its ``R``
+    before the pair, which stays one unit.
+
     Pairs that already recompute keep their ``R`` and get no second one, so applying a policy
     twice changes nothing; pairs without a backward (inference) are left alone. Any schedule
     form works: given a schedule value or a function ``n_stages -> Program`` rather than a
@@ -105,15 +108,16 @@ def apply_remat(program: object, policy: object) -> Program | Rematerialized:
 
     handled = set(recomputed(program))
     workers = []
-    for actions in program.workers:
-        out: list[Action] = []
-        for action in actions:
-            pair = (action.stage, action.microbatch)
-            if action.op in (B, I) and pair not in handled:
-                handled.add(pair)
-                if selected(*pair):
-                    out.append(Action(action.stage, R, action.microbatch))
-            out.append(action)
+    for units in program.units:
+        out: list[Action | Overlap] = []
+        for unit in units:
+            for action in unit.actions if isinstance(unit, Overlap) else (unit,):
+                pair = (action.stage, action.microbatch)
+                if action.op in (B, I) and pair not in handled:
+                    handled.add(pair)
+                    if selected(*pair):
+                        out.append(Action(action.stage, R, action.microbatch))
+            out.append(unit)
         workers.append(out)
     return Program(workers, program.n_stages, program.n_microbatches)
 

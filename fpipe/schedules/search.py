@@ -66,6 +66,10 @@ FAMILIES: dict[str, Family] = {
     "zero_bubble_v": _v_shape(zero_bubble_v),
     "interleaved_zero_bubble": _looped(interleaved_zero_bubble),
     "dual_pipe_v": _v_shape(dual_pipe_v, chunks_per_stage=True),
+    # DeepSeek's order with each action a unit of its own: fpipe runs one action at a time,
+    # so a forward need not wait for its partner's gradient (faster where pairs do not overlap)
+    "dual_pipe_v_unpaired": _v_shape(lambda chunks, remat: dual_pipe_v(chunks, remat, False),
+                                     chunks_per_stage=True),
 }
 
 

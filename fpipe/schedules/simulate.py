@@ -6,15 +6,17 @@ shows the trade before any kernel runs, and lets tests hold each schedule to its
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from fpipe.schedules.actions import Action, B, F, Program, R, W
 from fpipe.schedules.costs import Cost, Costs
 from fpipe.schedules.memory import Memory
 from fpipe.schedules.memory import peak_bytes as count_bytes
-from fpipe.schedules.validate import dependencies, execution_order, validate
+from fpipe.schedules.validate import execution_order, unit_needs, validate
 
-__all__ = ["Costs", "Cost", "Span", "Breakdown", "Simulation", "simulate", "in_flight"]
+__all__ = ["Costs", "Cost", "Span", "Breakdown", "Simulation", "simulate", "in_flight",
+           "UnmeasuredCostWarning"]
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,12 @@ def simulate(program: Program, costs: Costs | None = None,
 
     Each worker runs its actions in order; an action starts when its worker is free (plus
     ``costs.overhead``) and each dependency has ended, plus the transfer time (``transfer +
-    latency``) for a dependency that ran on another worker. The program is validated first (as
-    an inference program if it holds only forwards). With ``memory`` (a
+    latency``) for a dependency that ran on another worker. An overlapped pair
+    (:attr:`Program.overlaps`) is one unit: it starts once the inputs of its forward and of its
+    backward are there, and lasts as ``costs.overlap`` says (the sum of the two, or the
+    longer). The program is validated first (as an inference program if it holds only
+    forwards). Pricing a recompute with costs that never measured one
+    (``costs.unmeasured``) warns. With ``memory`` (a
     :class:`~fpipe.schedules.Memory`), the simulation also reports each worker's peak bytes.
     """
     costs = Costs() if costs is None else costs
@@ -91,27 +97,40 @@ def simulate(program: Program, costs: Costs | None = None,
     costs = costs.for_stages(program.n_stages)
     training = any(a.op is not F for actions in program.workers for a in actions)
     validate(program, training=training)
+    _warn_unmeasured(program, costs)
     peak_bytes = None if memory is None else count_bytes(program, memory)
     present = frozenset(a for actions in program.workers for a in actions)
+    needs = unit_needs(program, present)
+    partner = {o.forward: o.backward for o in program.overlaps}
     placement = program.placement
     free = [0.0] * program.n_workers
-    overhead = 0.0
+    overhead = busy = recompute = 0.0
     spans: dict[Action, Span] = {}
     for action in execution_order(program):
+        if action in spans:  # the backward of a pair, placed with its forward
+            continue
         worker = placement[action.stage]
-        ready = free[worker] + costs.overhead
-        start = ready
-        for need, _ in dependencies(action, present, program.n_stages):
+        start = free[worker] + costs.overhead
+        for need in needs(action):
             if placement[need.stage] != worker:
                 start = max(start, spans[need].end + costs.carry(need.stage))
         overhead += costs.overhead
-        free[worker] = start + costs.of(action.op, action.stage)
-        spans[action] = Span(action, start, free[worker])
+        length = costs.of(action.op, action.stage)
+        spans[action] = Span(action, start, start + length)
+        recompute += length if action.op is R else 0.0
+        backward = partner.get(action)
+        if backward is not None:  # one unit: both at once ("max"), or one after the other
+            b = costs.of(backward.op, backward.stage)
+            at = start if costs.overlap == "max" else start + length + costs.overhead
+            overhead += 0.0 if costs.overlap == "max" else costs.overhead
+            spans[backward] = Span(backward, at, at + b)
+            length = max(length, b) if costs.overlap == "max" else length + b
+        busy += length
+        free[worker] = max(spans[a].end for a in (action, backward) if a is not None)
     timeline = tuple(tuple(spans[a] for a in actions) for actions in program.workers)
     makespan = max(free)
     total = program.n_workers * makespan
-    recompute = sum(s.end - s.start for s in spans.values() if s.action.op is R)
-    useful = sum(s.end - s.start for s in spans.values()) - recompute
+    useful = busy - recompute
     breakdown = (Breakdown(useful / total, recompute / total, overhead / total,
                            max(0.0, 1.0 - (useful + recompute + overhead) / total))
                  if total > 0 else Breakdown(0.0, 0.0, 0.0, 0.0))
@@ -124,6 +143,24 @@ def simulate(program: Program, costs: Costs | None = None,
         breakdown=breakdown,
         peak_bytes=peak_bytes,
     )
+
+
+def _warn_unmeasured(program: Program, costs: Costs) -> None:
+    unmeasured = {stage for name, stage in costs.unmeasured if name == "recompute"}
+    if not unmeasured:
+        return
+    guessed = next((a for actions in program.workers for a in actions
+                    if a.op is R and ({a.stage, None} & unmeasured)), None)
+    if guessed is not None:
+        warnings.warn(
+            f"simulate prices a recompute ({guessed}) with costs that never measured one: "
+            "costs.recompute was taken as the forward's, while a recompute measures 1.3-1.9x a "
+            "forward; fit the costs to a step that recomputes too (e.g. recorded with "
+            "remat='always'), or give recompute=", UnmeasuredCostWarning, stacklevel=3)
+
+
+class UnmeasuredCostWarning(UserWarning):
+    """:func:`simulate` priced an op with a cost derived, not measured (``Costs.unmeasured``)."""
 
 
 def in_flight(program: Program) -> tuple[int, ...]:

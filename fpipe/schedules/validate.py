@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Container
 
-from fpipe.schedules.actions import Action, B, F, I, Op, Program, R, W
+from fpipe.schedules.actions import Action, B, F, I, Op, Overlap, Program, R, W
 
 
 class ScheduleError(ValueError):
@@ -96,6 +96,7 @@ def validate(program: Program, *, training: bool = True) -> Program:
         raise ScheduleError("no-workers", "a program needs at least one worker")
     try:
         _check_ranges(program)
+        _check_overlaps(program)
         _check_placement(program)
         _check_exactly_once(program, training)
         _check_worker_order(program)
@@ -131,6 +132,7 @@ def execution_order(program: Program) -> tuple[Action, ...]:
     Assumes the other rules hold; raises the ``deadlock`` rule when no such order exists.
     """
     present = frozenset(a for actions in program.workers for a in actions)
+    needs = unit_needs(program, present)
     position = [0] * program.n_workers
     done: set[Action] = set()
     order: list[Action] = []
@@ -141,8 +143,7 @@ def execution_order(program: Program) -> tuple[Action, ...]:
         actions = program.workers[worker]
         while position[worker] < len(actions):
             action = actions[position[worker]]
-            need = next((d for d, _ in dependencies(action, present, program.n_stages)
-                         if d not in done), None)
+            need = next((d for d in needs(action) if d not in done), None)
             if need is not None:
                 waiting[need].append(worker)
                 break
@@ -162,11 +163,10 @@ def _raise_deadlock(program: Program, position: list[int], present: frozenset[Ac
     for worker, actions in enumerate(program.workers):
         if position[worker] < len(actions):
             action = actions[position[worker]]
-            needs = [d for d, _ in dependencies(action, present, program.n_stages)
-                     if d not in done]
-            waits_on[worker] = program.placement[needs[0].stage]
+            waiting = [d for d in unit_needs(program, present)(action) if d not in done]
+            waits_on[worker] = program.placement[waiting[0].stage]
             blocked[worker] = (action, ", ".join(
-                f"{d} (worker {program.placement[d.stage]})" for d in needs))
+                f"{d} (worker {program.placement[d.stage]})" for d in waiting))
     # Each blocked worker waits on another blocked one: following the waits finds a cycle.
     worker = next(iter(blocked))
     path: list[int] = []
@@ -184,6 +184,22 @@ def _raise_deadlock(program: Program, position: list[int], present: frozenset[Ac
                           blocked[first][0], first)
     marks = [(w, position[w]) for w in [first, *shown, *blocked]]
     raise _in_context(error, program, marks)
+
+
+def unit_needs(program: Program, present: Container[Action]):
+    """``action -> what must finish before it starts``: its dependencies, and for the forward
+    of an :class:`~fpipe.schedules.Overlap` its backward's too, since the pair starts as one
+    unit (DeepSeek's runtime receives both inputs before computing either)."""
+    partner = {o.forward: o.backward for o in program.overlaps}
+
+    def needs(action: Action) -> list[Action]:
+        own = [d for d, _ in dependencies(action, present, program.n_stages)]
+        paired = partner.get(action)
+        if paired is not None:
+            own += [d for d, _ in dependencies(paired, present, program.n_stages)]
+        return own
+
+    return needs
 
 
 #: A deadlock names at most this many stuck workers (those on the cycle, when there are more).
@@ -267,6 +283,41 @@ def _check_exactly_once(program: Program, training: bool) -> None:
                 raise missing(stage, mb, W, "a split backward needs its weight-gradient part")
             if has[W] and not has[I]:
                 raise missing(stage, mb, I, "a split backward needs its input-gradient part")
+
+
+def _check_overlaps(program: Program) -> None:
+    """Each pair is one forward and one backward (``B`` or ``I``) that do not depend on each
+    other (other stages, other micro-batches: a backward needs every forward of its
+    micro-batch), run back to back on one worker, each action in one pair at most."""
+    if not program.overlaps:
+        return
+    where = {a: (w, i) for w, actions in enumerate(program.workers)
+             for i, a in enumerate(actions)}
+    seen: dict[Action, Overlap] = {}
+    for pair in sorted(program.overlaps, key=lambda o: where.get(o.forward, (-1, -1))):
+        f, b = pair.forward, pair.backward
+        worker = where.get(f, (None,))[0]
+        if f.op is not F or b.op not in (B, I):
+            raise ScheduleError("overlap", f"{pair} must pair a forward (F) with a backward "
+                                f"(B or I), got {f.op.name.lower()} and {b.op.name.lower()}",
+                                f, worker)
+        if f.stage == b.stage or f.microbatch == b.microbatch:
+            raise ScheduleError(
+                "overlap", f"{pair} pairs actions that are not independent: the forward and "
+                f"the backward must be of different stages and of different micro-batches (a "
+                f"backward needs every forward of its micro-batch)", f, worker)
+        for action in pair.actions:
+            if action in seen:
+                raise ScheduleError("overlap", f"{action} is in two pairs, {seen[action]} and "
+                                    f"{pair}", action, where.get(action, (None,))[0])
+            seen[action] = pair
+            if action not in where:
+                raise ScheduleError("overlap", f"{pair} names {action}, which no worker runs",
+                                    action, None)
+        (wf, i), (wb, j) = where[f], where[b]
+        if wf != wb or j != i + 1:
+            raise ScheduleError("overlap", f"{pair} must run on one worker, its backward right "
+                                f"after its forward", f, wf)
 
 
 def _check_worker_order(program: Program) -> None:

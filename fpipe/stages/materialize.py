@@ -8,18 +8,21 @@ this process holds (``held``) real tensors on its own device and initialises the
   stage's device, in place, as ``nn.Module.to_empty`` does, except that a tensor shared by two
   names of the stage stays one tensor (``to_empty`` would split it in two). The stage's params
   then *are* the module's tensors: a second copy would double the memory the meta build saved.
-- **Initialisers**, in this order (the order a CPU-built reference must follow to get the same
-  values from the same seed): the ties' owners (below), then stage by stage, each submodule
-  of the stage's module in ``modules()`` order, once (a submodule shared with an earlier
-  stage was done there):
+- **Initialisers**, each submodule of a held stage's module in ``modules()`` order, once (a
+  submodule shared with an earlier stage was done there):
   ``init="reset_parameters"`` calls its ``reset_parameters()`` where it has one (and a
   submodule holding a meta tensor without one is an error naming it); a callable ``init`` is
   called as ``init(submodule)`` (HF's ``model._init_weights``); ``init=None`` leaves the
   storage uninitialised, for a checkpoint (DCP) to fill in place.
-- **Ties** come first: the submodule that owns a tie's first member is initialised before
-  anything else (a scratch copy of it, where that stage is not held here), and every copy of
-  the tie held here takes its value. So processes that hold different stages of a tie, seeded
-  alike (``torch.manual_seed`` with one seed on every rank), give its copies one value.
+- **The seed** (:mod:`fpipe.stages.seeding`): one base seed drawn from the caller's
+  generator, then each submodule initialised under its own generator seeded from the base and
+  its name in the model (``names``), so its values do not depend on the cut, on which stages
+  this process holds, or on the order of anything else.
+- **Shared tensors** (ties across stages, and a tensor two submodules of one stage hold) take
+  the value their first owner gives them: the first submodule holding it, stage by stage in
+  ``modules()`` order (for a tied GPT, the embedding, not the LM head). Where that owner's
+  stage is not held here, a scratch copy of it is initialised, so processes holding different
+  stages of a tie give its copies one value, seeded alike.
 
 Stages not held stay on ``meta``: their params are meta tensors (shapes only, no memory).
 Stages built with real tensors are copied to their device (held ones) as they always were.
@@ -34,71 +37,111 @@ from typing import Any
 import torch
 from torch import nn
 
-from fpipe.stages.naming import Tie
+from fpipe.stages.seeding import draw_base, seeded, submodule_seed
 
 __all__ = ["place_stages", "Init"]
 
 Tensors = dict[str, torch.Tensor]
 Init = Callable[[nn.Module], Any] | str | None
+Member = tuple[int, str]  # (stage, the tensor's name in the stage's module)
 
 
 def place_stages(modules: Sequence[nn.Module], devices: Sequence[torch.device],
-                 held: frozenset[int], ties: Sequence[Tie],
+                 held: frozenset[int], names: Sequence[dict[int, str]],
                  init: Init) -> tuple[list[Tensors], list[Tensors]]:
-    """``(params, state)`` per stage: see the module's docstring. Everything is checked before
-    any module is touched."""
+    """``(params, state)`` per stage: see the module's docstring. ``names[i]`` maps the
+    ``id`` of each submodule of stage ``i`` to its name (``naming.module_names``). Everything
+    is checked before any module is touched."""
     if not (init is None or init == "reset_parameters" or callable(init)):
         raise ValueError(f"init must be 'reset_parameters', a function init(module) or None, "
                          f"got {init!r}")
     on_meta = [_on_meta(i, m) for i, m in enumerate(modules)]
     made_here = {i for i in held if on_meta[i]}
+    # The shared tensors with a copy made here that another owner's value must fill.
+    shared = [group for group in _shared(modules) if any(s in made_here for s, _ in group[1:])]
     if init == "reset_parameters":
         for i in sorted(made_here):
             _check_initialisers(i, modules[i])
+        for (first, name), *_ in shared:
+            if first not in made_here:  # initialised here as a scratch copy
+                _check_initialisers(first, _owner(modules[first], name)[0])
     made = {i: _materialize(modules[i], devices[i]) for i in sorted(made_here)}
-    done: set[int] = set()
-    values = [] if init is None else _tie_values(modules, devices, ties, made_here, init, done)
+    if init is not None and any(on_meta):
+        _initialise_all(modules, devices, names, made_here, shared, init, draw_base())
     params, state = [], []
     for i, (module, device) in enumerate(zip(modules, devices)):
-        if i not in held:
-            take = _shapes
-        else:
-            if i in made:
-                _initialise(module, init, done)
-            take = _taker(device, made.get(i, set()))
+        take = _taker(device, made.get(i, set())) if i in held else _shapes
         params.append(_as_parameters(take(module.named_parameters()), module))
         state.append(take(module.named_buffers()))
-    with torch.no_grad():
-        for tie, value in values:
-            for s, name in tie:
-                if s in made_here:
-                    params[s][name].copy_(value)
     return params, state
 
 
-def _tie_values(modules: Sequence[nn.Module], devices: Sequence[torch.device],
-                ties: Sequence[Tie], made_here: set[int], init: Init,
-                done: set[int]) -> list[tuple[Tie, torch.Tensor]]:
-    """Each tie's value, made before anything else is initialised, so that every process
-    draws it alike whichever stages it holds: the submodule that owns the tie's first member
-    is initialised (its own, if that stage is made here; else a scratch copy on the device of
-    a member made here), and its tensor is the value every copy takes."""
-    values = []
-    for tie in ties:
-        mine = [s for s, _ in tie if s in made_here]
-        if not mine:
-            continue
-        first, name = tie[0]
-        path, _, attr = name.rpartition(".")
-        owner = modules[first].get_submodule(path)
+def _initialise_all(modules: Sequence[nn.Module], devices: Sequence[torch.device],
+                    names: Sequence[dict[int, str]], made_here: set[int],
+                    shared: list[tuple[Member, ...]], init: Init, base: int) -> None:
+    """Every submodule of the stages made here, each under its own seed; then each shared
+    tensor's copies made here set to its first owner's value."""
+    values: dict[Member, torch.Tensor] = {}
+    for group in shared:  # first owners elsewhere: a scratch copy of each, initialised here
+        first, name = group[0]
         if first not in made_here:
-            owner = copy.deepcopy(owner)  # on meta, as the stage is not made here
-            _materialize(owner, devices[mine[0]])
-            if init == "reset_parameters":
-                _check_initialisers(first, owner)
-        _initialise(owner, init, done)
-        values.append((tie, getattr(owner, attr).detach()))
-    return values
+            owner, attr = _owner(modules[first], name)
+            scratch = copy.deepcopy(owner)  # on meta, as that stage is not made here
+            device = devices[next(s for s, _ in group if s in made_here)]
+            _materialize(scratch, device)
+            for sub, original in zip(scratch.modules(), owner.modules()):
+                _call(sub, init, names[first][id(original)], base, device)
+            values[group[0]] = getattr(scratch, attr).detach()
+    firsts: dict[int, list[tuple[Member, str]]] = {}  # id(owner) -> its first members
+    for group in shared:
+        if group[0][0] in made_here:
+            owner, attr = _owner(modules[group[0][0]], group[0][1])
+            firsts.setdefault(id(owner), []).append((group[0], attr))
+    done: set[int] = set()
+    for i in sorted(made_here):
+        for sub in modules[i].modules():
+            if id(sub) in done:
+                continue
+            done.add(id(sub))
+            _call(sub, init, names[i][id(sub)], base, devices[i])
+            for member, attr in firsts.get(id(sub), ()):  # before a later owner overwrites it
+                values[member] = getattr(sub, attr).detach().clone()
+    with torch.no_grad():
+        for group in shared:
+            for s, name in group:
+                if s in made_here:
+                    owner, attr = _owner(modules[s], name)
+                    getattr(owner, attr).copy_(values[group[0]])
+
+
+def _call(sub: nn.Module, init: Init, name: str, base: int, device: torch.device) -> None:
+    """``sub``'s initialiser, under the seed of its name."""
+    if init == "reset_parameters":
+        if not callable(getattr(sub, "reset_parameters", None)):
+            return
+        with seeded(submodule_seed(base, name), device), torch.no_grad():
+            sub.reset_parameters()
+    else:
+        with seeded(submodule_seed(base, name), device), torch.no_grad():
+            init(sub)
+
+
+def _shared(modules: Sequence[nn.Module]) -> list[tuple[Member, ...]]:
+    """The meta tensors held under more than one name (in one stage or several), each as
+    its holders stage by stage in ``named_*`` order: the first is the owner whose value all
+    take."""
+    holders: dict[int, list[Member]] = {}
+    for i, module in enumerate(modules):
+        for name, t in [*module.named_parameters(remove_duplicate=False),
+                        *module.named_buffers(remove_duplicate=False)]:
+            if t.is_meta:
+                holders.setdefault(id(t), []).append((i, name))
+    return [tuple(members) for members in holders.values() if len(members) > 1]
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return module.get_submodule(path), attr
 
 
 def _on_meta(i: int, module: nn.Module) -> bool:
@@ -144,19 +187,6 @@ def _materialize(module: nn.Module, device: torch.device) -> set[int]:
                     new[id(t)] = (t, real)
                 slots[key] = new[id(t)][1]
     return {id(real) for _, real in new.values()}
-
-
-def _initialise(module: nn.Module, init: Init, done: set[int]) -> None:
-    with torch.no_grad():
-        for sub in module.modules():
-            if id(sub) in done:
-                continue
-            done.add(id(sub))
-            if init == "reset_parameters":
-                if callable(getattr(sub, "reset_parameters", None)):
-                    sub.reset_parameters()
-            elif init is not None:
-                init(sub)
 
 
 def _taker(device: torch.device, made: set[int]) -> Callable[[Iterable], Tensors]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["model_names", "find_ties", "Tie"]
+__all__ = ["model_names", "module_names", "find_ties", "Tie"]
 
 Tie = tuple[tuple[int, str], ...]
 
@@ -48,6 +48,26 @@ def model_names(modules: Sequence[nn.Module], root: nn.Module | None) -> list[di
                                  f"holds in the model's own modules")
             prefix = where[id(owner)]
             names[local] = f"{prefix}.{attr}" if prefix else attr
+        result.append(names)
+    return result
+
+
+def module_names(modules: Sequence[nn.Module], root: nn.Module | None) -> list[dict[int, str]]:
+    """Per stage, ``id(submodule)`` -> the name its initialiser is seeded by
+    (:mod:`fpipe.stages.seeding`): its qualified name in ``root`` (the first, if it has
+    several; ``""`` for ``root`` itself), so the same in any cut; a submodule that is not part
+    of ``root`` (an adapter, or every submodule when there is no root) is
+    ``"stage {i}.{path}"``, which depends on the cut.
+    """
+    where: dict[int, str] = {}
+    if root is not None:
+        for name, module in root.named_modules(remove_duplicate=False):
+            where.setdefault(id(module), name)
+    result = []
+    for i, module in enumerate(modules):
+        names = {}
+        for path, sub in module.named_modules():
+            names[id(sub)] = where.get(id(sub), f"stage {i}.{path}" if path else f"stage {i}")
         result.append(names)
     return result
 

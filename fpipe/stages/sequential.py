@@ -19,7 +19,7 @@ from torch import nn
 
 from fpipe.stages.materialize import Init, place_stages
 from fpipe.stages.module_skip import route_module_skips
-from fpipe.stages.naming import Tie, find_ties, model_names
+from fpipe.stages.naming import Tie, find_ties, model_names, module_names
 from fpipe.stages.swap import Swap
 
 __all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
@@ -100,7 +100,8 @@ def from_sequential(module: nn.Sequential, balance: Sequence[int],
     for size in balance:
         bounds.append(bounds[-1] + size)
     parts = [module[a:b] for a, b in zip(bounds, bounds[1:])]
-    return from_modules(parts, devices, stateful=stateful, init=init, held=held)
+    # Seeded by the Sequential's own layer names ("3"), so any balance initialises alike.
+    return _build(parts, devices, stateful, None, init, held, seed_root=module)
 
 
 def from_modules(modules: Sequence[nn.Module],
@@ -128,7 +129,10 @@ def from_modules(modules: Sequence[nn.Module],
         init: for modules built on the ``meta`` device, how each stage's tensors are
             initialised once made on its device (:mod:`fpipe.stages.materialize`):
             ``"reset_parameters"`` (every submodule's own), a function ``init(submodule)``
-            called on each submodule, or None (left empty, for a checkpoint to fill).
+            called on each submodule, or None (left empty, for a checkpoint to fill). Each
+            submodule is initialised under a seed of its own, from one draw of the caller's
+            generator and its name in ``root`` (:mod:`fpipe.stages.seeding`): with ``root``,
+            the values depend on the seed only, not on the cut or the stages held.
         held: the stages this process holds (``fpipe.distributed.my_stages``; default: all).
             Only these get tensors; the others' params and state are meta tensors (shapes
             only), and a meta-built model's other stages are never allocated.
@@ -136,6 +140,14 @@ def from_modules(modules: Sequence[nn.Module],
     A parameter held by several stages (tied weights) is copied to each and listed in
     ``Stages.ties``; a buffer held by several stages is an error.
     """
+    return _build(modules, devices, stateful, root, init, held, seed_root=root)
+
+
+def _build(modules: Sequence[nn.Module], devices: Sequence[torch.device | str] | None,
+           stateful: bool, root: nn.Module | None, init: Init, held: Iterable[int] | None,
+           seed_root: nn.Module | None) -> Stages:
+    """:func:`from_modules`, whose meta-built submodules are seeded by their names in
+    ``seed_root`` (:mod:`fpipe.stages.seeding`)."""
     modules = list(modules)
     if not modules:
         raise ValueError("no modules: give at least one module (one per stage)")
@@ -154,7 +166,7 @@ def from_modules(modules: Sequence[nn.Module],
                                  f"stage cannot carry (BatchNorm's running statistics would "
                                  f"be lost): use stateful=True and pass state= to "
                                  f"fpipe.pipeline")
-    params, state = place_stages(modules, devices, held, ties, init)
+    params, state = place_stages(modules, devices, held, module_names(modules, seed_root), init)
     kind = StatefulModuleStage if stateful else ModuleStage
     stages = tuple(route_module_skips([kind(m) for m in modules], modules, stateful))
     return Stages(stages, params, state if stateful else None, names, ties)

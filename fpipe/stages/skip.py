@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from fpipe._runtime.skips import Skips
+
 __all__ = ["Skippable", "skippable", "skip_routes", "SkipError"]
 
 
@@ -28,6 +30,7 @@ class Skippable:
         if not callable(fn):
             raise TypeError(f"skippable needs a stage function, got {type(fn).__name__}")
         self.fn = fn
+        self.__wrapped__ = fn  # what it wraps, for those that look through wrappers
         self.stash = _names("stash", stash)
         self.pop = _names("pop", pop)
         both = set(self.stash) & set(self.pop)
@@ -102,6 +105,12 @@ def skip_routes(stages: Sequence[Callable]) -> dict[str, tuple[int, int]]:
         raise SkipError(f"skip {never[0]!r} is stashed by stage {stashed_by[never[0]]} but no "
                         f"later stage pops it")
     return {name: (stashed_by[name], popped_by[name]) for name in sorted(stashed_by)}
+
+
+def declared(stages: Sequence[Callable]) -> Skips:
+    """The skips ``stages`` declare, checked (:func:`skip_routes`), as the engine takes them."""
+    return Skips(tuple(pops(fn) for fn in stages), tuple(stashes(fn) for fn in stages),
+                 skip_routes(stages))
 
 
 def _names(kind: str, names: Iterable[str]) -> tuple[str, ...]:

@@ -1,9 +1,9 @@
 """The :class:`RankDriver`: one rank's part of every step of a distributed pipeline, as the
 :class:`~fpipe._runtime.driver.LocalDriver` is the local face's. It owns fpipe's process groups
-(:mod:`fpipe._runtime.ranks.p2p`), the failure state (:mod:`fpipe._runtime.ranks.faults`) and the compiled
-programs, and runs a step in lockstep with the other ranks: a header all-reduced by every rank
-(see :meth:`RankDriver.header`), this rank's actions, the loss broadcast from the rank of the
-last stage."""
+(:mod:`fpipe._runtime.ranks.p2p`), the failure state (:mod:`fpipe._runtime.ranks.faults`)
+and the compiled programs, and runs a step in lockstep with the other ranks: a header
+all-reduced by every rank (see :meth:`RankDriver.header`), this rank's actions, the loss
+broadcast from the rank of the last stage."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime import microbatch
-from fpipe._runtime.ranks.agreement import Fingerprint
 from fpipe._runtime.autodiff import flatten
-from fpipe._runtime.ranks.data_parallel import GradReduce
 from fpipe._runtime.engine import output_cotangents
-from fpipe._runtime.ranks.faults import RankFaults, at_rank
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
-from fpipe._runtime.ranks.p2p import RankChannel, make_groups, send_orders
+from fpipe._runtime.ranks.agreement import Fingerprint
+from fpipe._runtime.ranks.data_parallel import GradReduce
+from fpipe._runtime.ranks.faults import RankFaults, at_rank
 from fpipe._runtime.ranks.inputs import to
+from fpipe._runtime.ranks.p2p import RankChannel, make_groups, send_orders
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe.errors import BatchError
@@ -62,7 +62,7 @@ class RankDriver:
         self.backend = backend = backend_for(device)
         # NCCL carries tensors of this rank's stage device; gloo carries CPU tensors.
         self.wire = device if backend == "nccl" else torch.device("cpu")
-        self.faults = RankFaults(ranks[self.rank], timeout, ranks)
+        self.faults = RankFaults(ranks[self.rank], timeout)
         owners = program.placement
         pairs = {(owners[s - 1], owners[s]) for s in range(1, program.n_stages)}
         pairs |= {(owners[a], owners[b]) for a, b in interpreter.routes.values()}

@@ -33,7 +33,7 @@ class RankFaults:
     groups aborted on failure (fpipe's own, never the caller's), and ``broken``, the failure
     that stopped the pipeline (``None`` while it runs)."""
 
-    def __init__(self, rank: int, timeout: float, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, rank: int, timeout: float) -> None:
         self.rank = rank
         self.timeout = timeout
         self.store = dist.distributed_c10d._get_default_store()

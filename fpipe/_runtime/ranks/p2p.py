@@ -48,9 +48,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fpipe._runtime.autodiff import Value
 from fpipe._runtime.ranks import agreement
 from fpipe._runtime.ranks.agreement import Fingerprint
-from fpipe._runtime.autodiff import Value
 from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.ranks.gather import all_gather_objects
 from fpipe._runtime.workers import Aborted

@@ -26,9 +26,9 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fpipe._runtime.ranks.driver import backend_for
 from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.ranks.gather import all_gather_objects
-from fpipe._runtime.ranks.driver import backend_for
 from fpipe._runtime.ties import assign, check_local, describe, parse, slots, targets, total
 
 __all__ = ["TieGroups"]
@@ -84,7 +84,8 @@ class TieGroups:
         """Copies of a tie on several ranks must start equal (they stay equal only if they
         do): each bucket's values are reduced by MAX and by MIN over its group and compared,
         element by element; then every rank of the job learns of every mismatch (one
-        gather of objects (:mod:`fpipe._runtime.ranks.gather`)), so all raise alike. Once, at build."""
+        gather of objects (:mod:`fpipe._runtime.ranks.gather`)), so all raise alike. Once, at
+        build."""
         leaves = {s: optree.tree_leaves(tree) for s, tree in params.items()}
         differ = []
         for bucket in self.buckets:
