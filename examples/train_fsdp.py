@@ -101,9 +101,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     if args.save:  # collective: each rank writes its shards, keyed by the model's names
-        saving.save(args.save, pipe.params, optimizer=optimizer, names=names)
-        if dist.get_rank() == 0:  # the scheduler beside it (fpipe.saving does not hold it)
-            torch.save(scheduler.state_dict(), os.path.join(args.save, "scheduler.pt"))
+        saving.save(args.save, pipe.params, optimizer=optimizer, names=names,
+                    extra={"scheduler": scheduler})  # the LR scheduler too
     dist.destroy_process_group()
 
 

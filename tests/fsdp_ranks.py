@@ -223,10 +223,8 @@ def _case(mesh, name: str, directory: Path, shard: str | None, steps: int) -> di
         if shard is None:
             return out
         out["params"] = _full(pipe.params, s.names)
-        saving.save(directory / name, pipe.params, optimizer=optimizer, names=s.names)
-        if dist.get_rank() == 0:  # until fpipe.saving holds it: the scheduler beside it
-            torch.save(scheduler.state_dict(), directory / f"{name}-scheduler.pt")
-        dist.barrier()
+        saving.save(directory / name, pipe.params, optimizer=optimizer, names=s.names,
+                    extra={"scheduler": scheduler})
     return out
 
 
@@ -243,8 +241,7 @@ def _resume(mesh, name: str, directory: Path) -> dict:
     params = {h: s.params[h] for h in held}
     optimizer, scheduler = optimiser(optree.tree_leaves(params))
     saving.load(directory / name, params, optimizer=optimizer, names=s.names,
-                process_group=group, ties=s.ties)
-    scheduler.load_state_dict(torch.load(directory / f"{name}-scheduler.pt"))
+                process_group=group, ties=s.ties, extra={"scheduler": scheduler})
     worker = dist.get_process_group_ranks(group).index(dist.get_rank())
     with fdist.pipeline(s.stages, params, schedule=schedule, loss_fn=loss_fn, group=group,
                         ties=s.ties, timeout=60) as pipe:

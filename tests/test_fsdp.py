@@ -55,8 +55,7 @@ def test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_plain_module(
         torch.manual_seed(3)
         gpt = type(model())().double()
         optimizer, scheduler = optimiser(list(gpt.parameters()))
-        saving.load_module(tmp_path / name, gpt, optimizer)
-        scheduler.load_state_dict(torch.load(tmp_path / f"{name}-scheduler.pt"))
+        saving.load_module(tmp_path / name, gpt, optimizer, extra={"scheduler": scheduler})
         got = plain_steps(gpt, optimizer, scheduler, range(STEPS, STEPS + MORE))
         torch.testing.assert_close(torch.tensor(got), torch.tensor(more[2 * STEPS:]), **TIGHT)
         for key, value in gpt.state_dict().items():
