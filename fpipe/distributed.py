@@ -1,33 +1,24 @@
 """The same interpreter over ``torch.distributed``: one rank per worker of the program.
 
-Rank ``w`` runs worker ``w``'s actions with :class:`fpipe._runtime.interpreter.Interpreter`, so a
-stage computes exactly what it computes in the local driver. Only the channel differs: values
-cross ranks as point-to-point messages (:mod:`fpipe._runtime.ranks.p2p`: one message per value once
-shapes repeat, receives posted ahead, shapes free to change from step to step, no deadlock on
-gloo or NCCL). This module is the public face: checks, micro-batching and results, as
-``fpipe.pipeline``'s, with the same shared checks (:mod:`fpipe._runtime.engine`,
-:mod:`fpipe._runtime.placement`). :class:`fpipe._runtime.ranks.driver.RankDriver` runs each step
-in lockstep: a header all-reduced by the pipeline's ranks (the batch size, the step's random
-seed and what it was called for from the rank of stage 0, the target's size from the rank of
-the last: ranks called differently raise, not mix), this rank's actions, the loss broadcast
-from the rank of the last stage.
+Rank ``w`` runs worker ``w``'s actions with :class:`fpipe._runtime.interpreter.Interpreter`, so
+a stage computes exactly what it computes in the local driver; only the channel differs: values
+cross ranks as point-to-point messages (:mod:`fpipe._runtime.ranks.p2p`). This module is the
+public face: checks, micro-batching and results, as ``fpipe.pipeline``'s.
+:class:`fpipe._runtime.ranks.driver.RankDriver` runs each step in lockstep: a header
+all-reduced by the pipeline's ranks (the batch size, the step's random seed and what it was
+called for, the target's size: ranks called differently raise, not mix), this rank's actions,
+the loss broadcast from the rank of the last stage.
 
-Failure (:mod:`fpipe._runtime.ranks.faults`): every wait is bounded by ``timeout``. A rank whose
-stage raises re-raises the stage's own exception (fpipe's own detections are
+Failure (:mod:`fpipe._runtime.ranks.faults`): every wait is bounded by ``timeout``. A rank
+whose stage raises re-raises the stage's own exception (fpipe's own detections are
 :class:`~fpipe.StageError`), its rank recorded in :func:`fpipe.errors.where`; it publishes what
 happened and aborts fpipe's process groups, which wakes every other rank, and they raise a
-:class:`~fpipe.StageError` naming all that, so the whole pipeline stops. A dead or silent rank
-surfaces as :class:`~fpipe.errors.PeerError`. After a failure the pipeline cannot run again.
-
-A pipeline runs one step at a time: a call made while another thread's call is running is
-refused, since two threads' calls could not be ordered alike on every rank.
+:class:`~fpipe.StageError` naming all that. A dead or silent rank surfaces as
+:class:`~fpipe.errors.PeerError`. After a failure the pipeline cannot run again. A pipeline
+runs one step at a time: a call made while another thread's runs is refused.
 """
-
 from __future__ import annotations
 
-import os
-import shlex
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,85 +32,35 @@ from fpipe._runtime.engine import (
     check_stages,
     check_training,
     check_untransformed,
-    input_grads,
-    nonfinite_error,
     returned_loss,
 )
-from fpipe._runtime.instructions import after_turn, before_turn, check_turn, compiled
+from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params
+from fpipe._runtime.ranks.accumulate import Accumulated
 from fpipe._runtime.ranks.agreement import fingerprint
 from fpipe._runtime.ranks.calls import Calls
 from fpipe._runtime.ranks.data_parallel import DataParallel, mesh_groups
 from fpipe._runtime.ranks.driver import RankDriver, backend_for
+from fpipe._runtime.ranks.fsdp import Sharded, check_call, check_shard, released
 from fpipe._runtime.ranks.inputs import Held, held_device, seat
+from fpipe._runtime.ranks.launch import LAUNCH_VARIABLES as LAUNCH_VARIABLES
+from fpipe._runtime.ranks.launch import init, my_stages
 from fpipe._runtime.ranks.results import Replica, Results
 from fpipe._runtime.ranks.tie_groups import TieGroups
+from fpipe._runtime.ranks.two_calls import two_calls
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
-from fpipe.errors import NonFiniteLossError, PlacementError
+from fpipe.errors import PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
-from fpipe.schedules.validate import validate
 from fpipe.stages import Stages
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
 __all__ = ["init", "backend_for", "my_stages", "pipeline", "DistributedPipeline"]
-
-
-def init(device: torch.device | str | None = None) -> torch.device:
-    """Join the process group ``torchrun`` describes (its environment variables) with the
-    backend that fits ``device``, and return this rank's device.
-
-    ``device`` defaults to CUDA when there is one; ``"cuda"`` means the GPU of ``LOCAL_RANK``.
-    """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        _check_launched()
-        dist.init_process_group(backend_for(device))
-    return device
-
-
-#: What torchrun sets for every rank, and ``init_process_group``'s ``env://`` reads.
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _check_launched() -> None:
-    """Started without torchrun, a script gets torch's bare "environment variable RANK
-    expected"; say what is missing and the command that starts it."""
-    missing = [name for name in LAUNCH_VARIABLES if name not in os.environ]
-    if missing:
-        command = shlex.join(["torchrun", "--standalone", "--nproc-per-node=2", *sys.argv])
-        unset = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
-        raise RuntimeError(f"fpipe.distributed.init joins the process group that torchrun "
-                           f"starts, but {unset}: launch the script with torchrun, one process "
-                           f"per rank, e.g.\n    {command}")
-
-
-def my_stages(schedule: Any, n_stages: int, rank: int | None = None, *, group: Any = None,
-              mesh: Any = None) -> tuple[int, ...]:
-    """The stages that ``rank`` (a global rank; this rank by default) holds: worker ``w`` is
-    the ``w``-th rank of the pipeline's process group (``group``, or ``mesh["pp"]``, as given
-    to :func:`pipeline`; by default the world, where worker ``w`` is rank ``w``).
-
-    Build or load only these stages' parameters and pass them to :func:`pipeline`.
-    """
-    program = validate(program_of(schedule, n_stages))
-    rank = dist.get_rank() if rank is None else rank
-    worker = rank
-    if group is not None or mesh is not None:
-        ranks = tuple(dist.get_process_group_ranks(mesh_groups(group, mesh, None)[0]))
-        if rank not in ranks:
-            return ()
-        worker = ranks.index(rank)
-    return tuple(s for s, w in enumerate(program.placement) if w == worker)
 
 
 def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule: Any,
@@ -129,7 +70,7 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
              autodiff: str = "autograd", group: Any = None, mesh: Any = None,
              data_parallel: Any = None, grad_reduce: str | None = "mean",
              bucket_mb: float = 25.0, ties: Iterable | None = None,
-             state_reduce: str | None = "mean") -> DistributedPipeline:
+             state_reduce: str | None = "mean", shard: str | None = None) -> DistributedPipeline:
     """Build this rank's part of a pipeline; every rank of the pipeline calls it with the same
     ``stages``, ``schedule`` and ``loss_fn`` (and, with data parallelism, every replica at
     once).
@@ -184,12 +125,18 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             each replica's own: integer tensors (``num_batches_tracked``) under ``"mean"``,
             Python values under both. Replicas' state must have the same leaves, shapes and
             dtypes. Without ``data_parallel`` it does nothing.
+        shard: ``"fsdp"`` (with ``mesh=``) shards this rank's stages with FSDP2 over
+            ``mesh["dp"]``: :attr:`DistributedPipeline.params` are then the sharded parameters
+            (``DTensor`` leaves) for the optimiser, gathered for each step, and the gradients
+            come back reduce-scattered as ``DTensor`` shards placed alike. ``params`` (full,
+            alike on every replica) are copied into the shards and can be dropped.
     """
     return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
                                device=device, timeout=timeout, state=state, nonfinite=nonfinite,
                                grad_dtype=grad_dtype, autodiff=autodiff, group=group,
                                mesh=mesh, data_parallel=data_parallel, grad_reduce=grad_reduce,
-                               bucket_mb=bucket_mb, ties=ties, state_reduce=state_reduce)
+                               bucket_mb=bucket_mb, ties=ties, state_reduce=state_reduce,
+                               shard=shard)
 
 
 class DistributedPipeline:
@@ -218,8 +165,9 @@ class DistributedPipeline:
                  autodiff: str = "autograd", group: Any = None, mesh: Any = None,
                  data_parallel: Any = None, grad_reduce: str | None = "mean",
                  bucket_mb: float = 25.0, ties: Iterable | None = None,
-                 state_reduce: str | None = "mean") -> None:
+                 state_reduce: str | None = "mean", shard: str | None = None) -> None:
         check_options(nonfinite, grad_dtype)
+        check_shard(shard, mesh, grad_reduce)
         self.nonfinite = nonfinite
         if not dist.is_initialized():
             raise RuntimeError("fpipe.distributed needs a process group: call "
@@ -263,23 +211,31 @@ class DistributedPipeline:
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         built = fingerprint(self.ranks, self.worker, replicas, program, {
             "autodiff": autodiff, "grad_dtype": grad_dtype, "grad_reduce": grad_reduce,
-            "state_reduce": state_reduce, "bucket_mb": bucket_mb,
+            "state_reduce": state_reduce, "bucket_mb": bucket_mb, "shard": shard,
             "data parallel": replicas is not None}, self.params, self.state)
         self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
                                  self._compiled, replicas, built)
         self.group, self.wire = self.driver.group, self.driver.wire
-        self.data_parallel = None if data_parallel is None else self._replicas(
-            replicas, grad_reduce, bucket_mb, state_reduce)
+        # The replicas' reduction over fpipe's group on their ranks (checked to run this
+        # worker of the same program when the groups were made).
+        self.data_parallel = None if data_parallel is None else DataParallel(
+            self.driver.dp_group, replicas, grad_reduce, max(1, int(bucket_mb * 2**20)),
+            self.wire, state_reduce)
         self._calls = Calls(self.driver.faults, self._forget)
+        self._sharded = None if shard is None else Sharded(self.params, mesh["dp"])
+        if self._sharded is not None:
+            self.params = self._sharded.params
+        self._accumulated = Accumulated(len(stages))
         self._times = StepTimes()
         self.step_log = StepLog()  #: as :attr:`fpipe.Pipeline.step_log`, for this rank
         logger.info("%r: ranks %s%s", self, list(self.ranks),
                     "" if replicas is None else f", replicas on ranks {list(replicas)}")
         # Collective: every rank checks the tie map and makes the tie groups alike.
-        tie_groups = TieGroups(ties, self.params, program.placement, self.ranks, self.rank,
+        tie_groups = TieGroups(ties, self.params if self._sharded is None else
+                               self._sharded.local(), program.placement, self.ranks, self.rank,
                                self.device, self.wire, grad_dtype, timeout, self.driver.faults)
         self._results = Results(self.data_parallel, tie_groups, self.driver.faults,
-                                self.param_specs)
+                                self.param_specs, self._sharded)
         #: The tie map, checked alike on every rank, as ``(stage, name)`` pairs.
         self.ties = tuple(tuple(tuple(member) for member in tie) for tie in tie_groups.ties)
 
@@ -311,27 +267,27 @@ class DistributedPipeline:
     def value_and_grad(self, x: Any = None, target: Any = None, *,
                        params: Mapping[int, Any] | None = None,
                        state: Mapping[int, Any] | None = None,
-                       record: Recorder | None = None, tokens: int | None = None) -> tuple:
+                       record: Recorder | None = None, tokens: int | None = None,
+                       accumulate: bool = False) -> tuple:
         """The mean loss over the batch (on every rank) and ``{stage: grads}`` for this rank's
         stages, each shaped like its parameters; with state, also the new ``{stage: state}``.
-        ``record`` receives this rank's timeline; ``tokens`` as for ``pipe(x)``."""
+        ``record`` receives this rank's timeline; ``tokens`` as for ``pipe(x)``.
+
+        ``accumulate=True``: keep this call's gradients (``None`` is returned for them) and
+        add them into the next call's; the first call without it returns the sum over the
+        calls since the last one that returned gradients, each call's weighted as its own
+        would be, with one data-parallel reduction (one reduce-scatter per stage with
+        ``shard="fsdp"``) for all of them and none on the calls that accumulate."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
+        carry = None if accumulate else self._accumulated.carry()
         step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
-                                                  record, tokens)
-        grads = self._results.grads(step, replica)
+                                                  record, tokens, accumulate, carry)
+        grads = None if accumulate else self._results.grads(step, replica, carry)
         loss = self._results.loss(loss, replica)
-        # Every rank has each micro-batch's loss (and the global loss), so every rank refuses
-        # a non-finite one; the step itself ended in lockstep, so the pipeline stays usable.
         if self.nonfinite == "raise":
-            error = nonfinite_error(parts)
-            if error is None and replica is not None and not bool(torch.isfinite(loss)):
-                error = NonFiniteLossError(
-                    "the loss is not finite on another data-parallel replica; no gradient was "
-                    "returned. Build the pipeline with nonfinite='ignore' to handle this "
-                    "yourself", [])
-            if error is not None:
-                raise error
+            self._results.refuse_nonfinite(parts, loss, replica)
+        self._accumulated.called(accumulate, step.grads, self.stages_held, replica)
         loss = returned_loss(loss)
         if self.stateful:
             return loss, grads, self._results.state(step, replica)
@@ -402,48 +358,18 @@ class DistributedPipeline:
         ``grads`` are then the global batch's (weighted by the replicas' shares and summed, as
         in :meth:`value_and_grad`), and ``x_grad`` is this shard's input gradient for the
         cotangent as given."""
-        plan = self.driver.plan(self.program, True, self.stateful)
-        check_turn(plan)
-        with self._calls.alone():
-            step, channel, replica = self._begin(self.program, 2, x, None, params, state,
-                                                 None)
-            with self.driver.seeded(step):
-                self.driver.faults.guarded(
-                    lambda: self.driver.run(step, before_turn(plan[self.worker]), channel))
-            new_state = self._results.state(step, replica) if self.stateful else None
-        pending = self._calls.pending = object()
-        last = self.worker == self.program.placement[-1]
-
-        def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
-            with self._calls.alone(pending):
-                self._calls.pending = None
-                self.driver.faults.guarded(lambda: self.driver.backward(
-                    step, channel, after_turn(plan[self.worker]), cotangent,
-                    None if replica is None else replica.reduce))
-                grads = self._results.grads(step, replica)
-            first = self.worker == self.program.placement[0]
-            return grads, input_grads(step.inputs, step.ends.grads) if first else None
-
-        y = microbatch.join([out.tree() for out in step.outputs]) if last else None
-        return (y, vjp_fn, new_state) if self.stateful else (y, vjp_fn)
-
-    def _replicas(self, ranks: tuple[int, ...], grad_reduce: str | None, bucket_mb: float,
-                  state_reduce: str | None) -> DataParallel:
-        """The data-parallel reduction over fpipe's group on ``ranks`` (its replicas were
-        checked to run this worker of the same program when the groups were made)."""
-        return DataParallel(self.driver.dp_group, ranks, grad_reduce,
-                            max(1, int(bucket_mb * 2**20)), self.wire, state_reduce)
+        return two_calls(self, x, params, state)
 
     def _step(self, program: Program, training: bool, x: Any, target: Any,
               params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-              record: Recorder | None,
-              tokens: int | None = None) -> tuple[Step, tuple | None, Replica | None]:
+              record: Recorder | None, tokens: int | None = None, accumulate: bool = False,
+              carry: list | None = None) -> tuple[Step, tuple | None, Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         what = f"{'training' if training else 'forward'} step on rank {self.rank}"
         with self._calls.alone(), self._times.step(what, [self.device], self.step_log,
-                                                   record) as measure:
+                                                   record) as measure, released(self._sharded):
             step, channel, replica = self._begin(program, int(training), x, target, params,
-                                                 state, measure.record)
+                                                 state, measure.record, accumulate, carry)
             measure.count(sum(mb.size for mb in step.batch), x, tokens)
             plan = self.driver.plan(program, training, self.stateful)
             reduce = None if replica is None else replica.reduce
@@ -454,12 +380,15 @@ class DistributedPipeline:
 
     def _begin(self, program: Program, call: int, x: Any, target: Any,
                params: Mapping[int, Any] | None, state: Mapping[int, Any] | None,
-               record: Recorder | None) -> tuple[Step, Any, Replica | None]:
+               record: Recorder | None, accumulate: bool = False,
+               carry: list | None = None) -> tuple[Step, Any, Replica | None]:
         """A new step, agreed with every rank (the header), its channel, and with data
         parallelism in training (or with state), this replica's share of the global batch and
-        its gradients' reduction."""
+        its gradients' reduction (none when ``accumulate``; ``carry`` added to it)."""
         check_untransformed("a distributed pipeline's call", x)
-        leaves = self.held.param_leaves(params, self.params)
+        check_call(self._sharded, params, call == 2)
+        self._accumulated.check_call(call == 2)
+        leaves = None if self._sharded else self.held.param_leaves(params, self.params)
         states = self.held.states(state, self.state)
         training = call > 0
         if training:
@@ -473,7 +402,10 @@ class DistributedPipeline:
             seed.restore()
         if error is not None:  # every rank knows it, so every rank raises it by itself
             raise error
-        replica = self._results.replica(n, self.chunks, training, self.stateful)
+        replica = self._results.replica(n, self.chunks, training, self.stateful, carry,
+                                        not accumulate)
+        if self._sharded is not None:  # FSDP2's all-gather, once the step is agreed
+            leaves = self.held.param_leaves(None, self._sharded.gather())
         step, channel = self.driver.faults.guarded(lambda: self.driver.new_step(
             program, training, call == 2, leaves, states, x, target, n, seed_value, record,
             self.stateful))

@@ -96,11 +96,13 @@ class DataParallel:
                              f"fewer samples than chunks={chunks}, so no replica runs the step")
         return total
 
-    def step(self, share: float, faults: RankFaults, held: Sequence[int]) -> GradReduce | None:
-        """The reduction of one step's gradients (``None`` when they are left alone)."""
+    def step(self, share: float, faults: RankFaults, held: Sequence[int],
+             carry: list | None = None) -> GradReduce | None:
+        """The reduction of one step's gradients (``None`` when they are left alone), with
+        the share-weighted sums ``carry`` of earlier ``accumulate=True`` calls added."""
         if self.reduce is None:
             return None
-        return GradReduce(self, share, faults, held)
+        return GradReduce(self, share, faults, held, carry)
 
     def loss(self, loss: torch.Tensor, share: float, faults: RankFaults) -> torch.Tensor:
         """The global batch's mean loss, from this replica's mean over its shard."""
@@ -150,11 +152,15 @@ class DataParallel:
 
 class GradReduce:
     """One step's gradient reduction on this rank: buckets launched per stage as its
-    gradients become final (:meth:`cuts`, :meth:`launch`), waited in :meth:`apply`."""
+    gradients become final (:meth:`cuts`, :meth:`launch`), waited in :meth:`apply`.
+    ``carry``: per stage, the gradients earlier ``accumulate=True`` calls summed, already
+    weighted by their shares (:mod:`fpipe._runtime.ranks.accumulate`), added to this step's
+    weighted ones in the same buckets: one reduction for all the calls."""
 
     def __init__(self, dp: DataParallel, share: float, faults: RankFaults,
-                 held: Sequence[int]) -> None:
+                 held: Sequence[int], carry: list | None = None) -> None:
         self.dp, self.share, self.faults, self.held = dp, share, faults, tuple(held)
+        self.carry = carry
         self.buckets: list[tuple[int, list[int], torch.Tensor, Any]] = []
         self.launched: set[int] = set()
 
@@ -176,15 +182,30 @@ class GradReduce:
         if stage in self.launched:
             return
         self.launched.add(stage)
-        grads = sums.reduced(stage)
-        if grads is None:
+        found = self.with_carry(stage, sums.reduced(stage))
+        if found is None:
             return
+        grads, carried = found
         with torch.no_grad():
             for indices in _buckets(grads, self.dp.bucket_bytes):
                 flat = _pack(grads, indices, self.dp.wire)
                 flat.mul_(self.share)
+                if carried is not None:
+                    flat.add_(_pack(carried, indices, self.dp.wire))
                 work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
                 self.buckets.append((stage, indices, flat, work, grads))
+
+    def with_carry(self, stage: int, grads: list | None) -> tuple[list, list | None] | None:
+        """``(grads, carried)``: this step's gradients of ``stage`` and what ``carry`` holds
+        for each of them (zeros for a leaf earlier calls did not use; ``None`` when nothing
+        is carried); ``None`` for a stage without gradients."""
+        if grads is None:
+            return None
+        carried = None if self.carry is None else self.carry[stage]
+        if carried is not None:
+            carried = [c if c is not None or g is None else torch.zeros_like(g)
+                       for c, g in zip(carried, grads)]
+        return grads, carried
 
     def apply(self, grads: list, sums: Any) -> list:
         """``grads`` (per stage, flat leaves) with every held stage's reduced: the stages not

@@ -35,7 +35,14 @@ SUMS = "fpipe_checksums"
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """CRC-32 of ``tensor``'s bytes, as stored (the same on every device and process)."""
+    """CRC-32 of ``tensor``'s bytes, as stored (the same on every device and process). A
+    ``DTensor`` (FSDP2's shards) is summed whole, so a checkpoint's sums do not depend on how
+    it was sharded: ``full_tensor()`` is a collective, which every rank of its mesh reaches
+    with the same keys in the same order (replicas hold the same stages)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
     flat = tensor.detach().cpu().contiguous()
     size = flat.numel() * flat.element_size()
     return zlib.crc32(ctypes.string_at(flat.data_ptr(), size)) if size else 0

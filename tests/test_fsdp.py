@@ -1,0 +1,62 @@
+"""Pipeline x FSDP2 on four gloo ranks (tests/fsdp_ranks.py runs them), in float64: a
+GPT-like model with a tied embedding on a ("dp", "pp") = (2, 2) mesh, its stages sharded with
+``fully_shard``, trained with 1F1B and interleaved 1F1B, AdamW and an LR scheduler, each
+step's gradients accumulated over two calls, gives the plain module's losses and parameters;
+its checkpoint, resumed on two ranks without FSDP and in the plain module, goes on as the
+plain run does."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from distributed_ranks import spawn
+from fsdp_ranks import CASES, DIRECTORY, MORE, STEPS, model, optimiser, plain, plain_steps
+
+from fpipe import saving
+
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("numpy") is None,
+                                reason="DCP on several ranks needs numpy (the [saving] extra)")
+
+
+def test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_plain_module(tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setenv(DIRECTORY, str(tmp_path))
+    results, codes = spawn("fsdp_ranks:train_save_resume", 4, timeout=240)
+    for result in results:
+        assert result is not None and "crash" not in result, result
+    assert codes == [0] * 4
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(4)]
+    losses, saved, *_ = plain(STEPS)
+    more, resumed, *_ = plain(STEPS + MORE)
+    for name in CASES:
+        whole = {}
+        for rank, result in enumerate(results):
+            got = result[name]
+            torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                                       torch.tensor(losses, dtype=torch.float64), **TIGHT)
+            whole.update(got["params"])
+            # one reduce-scatter per held stage per step, none on the accumulating calls
+            assert got["reduce_scatters"] == len(got["held"]) * STEPS, (name, rank)
+            assert got["bytes"] < result[f"{name} replicated"]["bytes"], (name, rank)
+        assert sorted(whole) == sorted(saved)  # the tie under both names
+        for key, value in saved.items():
+            torch.testing.assert_close(whole[key], value, **TIGHT, msg=f"{name} {key}")
+    for rank, name in ((rank, name) for rank in range(4) for name in CASES):
+        got = results[rank][f"{name} resumed"]  # on two ranks, no FSDP, no replicas
+        torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                                   torch.tensor(more[2 * STEPS:], dtype=torch.float64), **TIGHT)
+        for key, value in got["params"].items():
+            torch.testing.assert_close(value, resumed[key], **TIGHT, msg=f"{name} {key}")
+    for name in CASES:  # the plain module
+        torch.manual_seed(3)
+        gpt = type(model())().double()
+        optimizer, scheduler = optimiser(list(gpt.parameters()))
+        saving.load_module(tmp_path / name, gpt, optimizer, extra={"scheduler": scheduler})
+        got = plain_steps(gpt, optimizer, scheduler, range(STEPS, STEPS + MORE))
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(more[2 * STEPS:]), **TIGHT)
+        for key, value in gpt.state_dict().items():
+            torch.testing.assert_close(value, resumed[key], **TIGHT, msg=f"{name} {key}")
