@@ -865,7 +865,9 @@ def test_balance_by_time_profiles_in_training_mode():
 
         def forward(self, x):
             if self.training == self.in_training:
-                time.sleep(0.1)  # far above a loaded machine's jitter
+                # Far above a loaded machine's jitter: at 0.1 s, one stall of a Linear on a
+                # 2-core box running the suite two at a time beside other jobs gave [2, 2].
+                time.sleep(0.3)
             return x
 
     def model():
