@@ -865,22 +865,21 @@ def test_balance_by_time_profiles_in_training_mode():
 
         def forward(self, x):
             if self.training == self.in_training:
-                # Far above a loaded machine's jitter: at 0.1 s, one stall of a Linear on a
-                # 2-core box running the suite two at a time beside other jobs gave [2, 2].
-                time.sleep(0.3)
+                time.sleep(0.3)  # far above the Linears' time, however busy the machine
             return x
 
     def model():
         return nn.Sequential(Slow(True), nn.Linear(4, 4), nn.Linear(4, 4), Slow(False)).eval()
 
     x = torch.randn(2, 4)
-    # Warm the Linears' kernels first (another instance, in training mode): a first call's
-    # one-time set-up, slowed by a busy neighbour, once counted as much as the slow layer and
-    # gave [2, 2] in .ci/run (the profile sums whole rounds until the timeout: 1.5 s is
-    # several rounds of the slow layer, so no one-time cost can outweigh it).
-    warm = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    warm(x.requires_grad_()).sum().backward()
-    assert tg_balance.balance_by_time(2, model(), x.detach(), device="cpu", timeout=1.5) == [1, 3]
+    # What is checked of torchgpipe is its profile (its times), not its partition: its block
+    # partition solver is a heuristic that splits [300000, 500, 500, 10] us as [2, 2], so its
+    # answer here turned on which Linear ran longer (it gave [2, 2] in .ci/run's extras pass).
+    from torchgpipe.balance.profile import profile_times
+
+    times = profile_times(model(), x, 0.5, torch.device("cpu"))
+    assert times[0] >= 300_000 and times[3] < times[0] / 10, f"profiled times (us): {times}"
+    assert fpipe.stages.balance_by_time(2, model(), x, device="cpu", timeout=0.5) == [1, 3]
     given = model()
     assert fpipe.stages.balance_by_time(given, x, 2, repeat=2) == [1, 3]
     assert not given.training  # profiled on a copy
