@@ -32,7 +32,6 @@ class Accumulated:
     def __init__(self, n_stages: int) -> None:
         self.n_stages = n_stages
         self.sums: list | None = None
-        self.calls = 0
 
     @property
     def pending(self) -> bool:
@@ -52,7 +51,6 @@ class Accumulated:
                 if weight != 1.0:
                     grads = [None if g is None else g * weight for g in grads]
                 self.sums[stage] = plus(self.sums[stage], grads)
-        self.calls += 1
 
     def check_call(self, vjp: bool) -> None:
         """Refuse a ``vjp`` while gradients wait for the last ``value_and_grad``."""
@@ -74,7 +72,7 @@ class Accumulated:
         return self.sums
 
     def clear(self) -> None:
-        self.sums, self.calls = None, 0
+        self.sums = None
 
 
 def plus(a: list | None, b: list | None) -> list | None:

@@ -176,24 +176,49 @@ class GradReduce:
             ends.setdefault(end, []).append(stage)
         return sorted(ends.items())
 
+    #: What is waited for, in a timeout's message (after "the gradients of stage s from its
+    #: data-parallel replicas").
+    COLLECTIVE = ""
+
     def launch(self, stage: int, sums: Any) -> None:
-        """Scale ``stage``'s final gradients by the replica's share and start their buckets'
-        all-reduce."""
+        """Scale ``stage``'s final gradients by the replica's share, add what is carried, and
+        start their buckets' reduction (:meth:`groups`, :meth:`pack`, :meth:`reduce`)."""
         if stage in self.launched:
             return
         self.launched.add(stage)
         found = self.with_carry(stage, sums.reduced(stage))
-        if found is None:
-            return
-        grads, carried = found
-        with torch.no_grad():
-            for indices in _buckets(grads, self.dp.bucket_bytes):
-                flat = _pack(grads, indices, self.dp.wire)
-                flat.mul_(self.share)
-                if carried is not None:
-                    flat.add_(_pack(carried, indices, self.dp.wire))
-                work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
-                self.buckets.append((stage, indices, flat, work, grads))
+        if found is not None:
+            grads, carried = found
+            with torch.no_grad():
+                for indices in self.groups(grads):
+                    flat = self.pack(grads, indices).mul_(self.share)
+                    if carried is not None:
+                        flat.add_(self.pack(carried, indices))
+                    out, work = self.reduce(flat)
+                    self.buckets.append((stage, indices, out, work, grads))
+        self.launched_stage(stage)
+
+    def groups(self, grads: list) -> list[list[int]]:
+        """The leaf indices reduced together: buckets of at most ``bucket_mb`` per dtype."""
+        return _buckets(grads, self.dp.bucket_bytes)
+
+    def pack(self, grads: Sequence[torch.Tensor], indices: list[int]) -> torch.Tensor:
+        """One bucket's leaves end to end on the wire device (a new tensor)."""
+        return _pack(grads, indices, self.dp.wire)
+
+    def reduce(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``(result, work)``: the bucket summed over the replicas, in place."""
+        return flat, dist.all_reduce(flat, group=self.dp.group, async_op=True)
+
+    def unpack(self, stage: int, out: torch.Tensor, like: list, indices: list[int],
+               into: list) -> None:
+        """A reduced bucket's pieces written into ``into`` (``stage``'s gradients), each with
+        the shape, device and dtype of the leaf it reduces (``like``)."""
+        for i, piece in _unpack(out, like, indices):
+            into[i] = piece
+
+    def launched_stage(self, stage: int) -> None:
+        """After ``stage``'s reduction started (nothing here; FSDP2 frees its parameters)."""
 
     def with_carry(self, stage: int, grads: list | None) -> tuple[list, list | None] | None:
         """``(grads, carried)``: this step's gradients of ``stage`` and what ``carry`` holds
@@ -213,11 +238,10 @@ class GradReduce:
         for stage in self.held:
             self.launch(stage, sums)
         grads = [None if g is None else list(g) for g in grads]
-        for stage, indices, flat, work, like in self.buckets:
+        for stage, indices, out, work, like in self.buckets:
             self.faults.wait(work, f"the gradients of stage {stage} from its data-parallel "
-                             f"replicas", self.dp.peer, stage)
-            for i, piece in _unpack(flat, like, indices):
-                grads[stage][i] = piece
+                             f"replicas{self.COLLECTIVE}", self.dp.peer, stage)
+            self.unpack(stage, out, like, indices, grads[stage])
         self.buckets.clear()
         return grads
 

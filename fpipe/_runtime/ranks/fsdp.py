@@ -188,37 +188,29 @@ class ShardReduce(GradReduce):
         super().__init__(dp, share, faults, held, carry)
         self.sharded = sharded
 
-    def launch(self, stage: int, sums: Any) -> None:
-        if stage in self.launched:
-            return
-        self.launched.add(stage)
-        found = self.with_carry(stage, sums.reduced(stage))
-        if found is not None:
-            grads, carried = found
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for i, grad in enumerate(grads):
-                if grad is not None:
-                    by_dtype.setdefault(grad.dtype, []).append(i)
-            with torch.no_grad():
-                for indices in by_dtype.values():
-                    flat = self.sharded.pack(grads, indices, self.dp.wire).mul_(self.share)
-                    if carried is not None:
-                        flat.add_(self.sharded.pack(carried, indices, self.dp.wire))
-                    out = flat.new_empty(flat.numel() // self.sharded.size)
-                    work = _reduce_scatter()(out, flat, group=self.dp.group, async_op=True)
-                    self.buckets.append((stage, indices, out, work, grads))
-        self.sharded.release([stage])  # its last backward here has run
+    COLLECTIVE = " (reduce-scatter)"
 
-    def apply(self, grads: list, sums: Any) -> list:
-        for stage in self.held:
-            self.launch(stage, sums)
-        grads = [None if g is None else list(g) for g in grads]
-        for stage, indices, out, work, _ in self.buckets:
-            self.faults.wait(work, f"the gradients of stage {stage} from its data-parallel "
-                             f"replicas (reduce-scatter)", self.dp.peer, stage)
-            self.sharded.unpack(stage, out, indices, grads[stage])
-        self.buckets.clear()
-        return grads
+    def groups(self, grads: list) -> list[list[int]]:
+        """One reduce-scatter per dtype: all of the stage's leaves of that dtype."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(i)
+        return list(by_dtype.values())
+
+    def pack(self, grads: Sequence[torch.Tensor], indices: list[int]) -> torch.Tensor:
+        return self.sharded.pack(grads, indices, self.dp.wire)
+
+    def reduce(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out = flat.new_empty(flat.numel() // self.sharded.size)
+        return out, _reduce_scatter()(out, flat, group=self.dp.group, async_op=True)
+
+    def unpack(self, stage: int, out: torch.Tensor, like: list, indices: list[int],
+               into: list) -> None:
+        self.sharded.unpack(stage, out, indices, into)
+
+    def launched_stage(self, stage: int) -> None:
+        self.sharded.release([stage])  # its last backward here has run
 
 
 def _reduce_scatter():
