@@ -116,14 +116,11 @@ def _initialise_all(modules: Sequence[nn.Module], devices: Sequence[torch.device
 
 def _call(sub: nn.Module, init: Init, name: str, base: int, device: torch.device) -> None:
     """``sub``'s initialiser, under the seed of its name."""
-    if init == "reset_parameters":
-        if not callable(getattr(sub, "reset_parameters", None)):
-            return
+    run = (getattr(sub, "reset_parameters", None) if init == "reset_parameters"
+           else lambda: init(sub))
+    if callable(run):
         with seeded(submodule_seed(base, name), device), torch.no_grad():
-            sub.reset_parameters()
-    else:
-        with seeded(submodule_seed(base, name), device), torch.no_grad():
-            init(sub)
+            run()
 
 
 def _shared(modules: Sequence[nn.Module]) -> list[tuple[Member, ...]]:
