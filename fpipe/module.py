@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fpipe._gpipe import arguments
-from fpipe._gpipe.run import Pipelines, Run, check_input, microbatches, remat_of
+from fpipe._gpipe.run import Pipelines, Run, check_input, microbatches, recomputes, remat_of
 from fpipe._runtime.engine import check_untransformed
 from fpipe.stages.batchnorm import DeferredBatchNorm
 from fpipe.stages.module_skip import verify_skippables
@@ -85,6 +85,10 @@ class GPipe(nn.Module):
         # micro-batches drop their activations, the rest keep what a backward needs.
         remat = remat_of(self.checkpoint, self.chunks, m) if self.training else "never"
         pipe = self._pipeline(m, remat, params, state)
+        if recomputes(remat, m) and any(state):
+            # A recompute runs on the buffers its forward saw, which _commit below overwrites
+            # in place (as a plain forward would): it gets copies. Nothing recomputed, no copy.
+            state = [{name: b.clone() for name, b in buffers.items()} for buffers in state]
 
         def run(input: Any) -> tuple[Any, Any]:
             y, vjp_fn, new_state = pipe.vjp(input, params=params, state=state)

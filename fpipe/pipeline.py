@@ -29,11 +29,13 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.sources import follow, hooked
 from fpipe._runtime.ties import TieSums
 from fpipe._runtime.trees import tree_map
 from fpipe._runtime.values import param_leaves
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program, program_of
+from fpipe.stages.sequential import Stages, check_ties_given
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
@@ -42,7 +44,8 @@ __all__ = ["pipeline", "Pipeline"]
 Stage = Callable[[Any, Any], Any]
 
 
-def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
+def pipeline(stages: Sequence[Stage] | Stages, params: Sequence[Any] | None = None, *,
+             schedule: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              devices: Sequence[torch.device | str] | None = None,
              state: Sequence[Any] | None = None, nonfinite: str = "raise",
@@ -51,8 +54,11 @@ def pipeline(stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
     """Build a :class:`Pipeline`.
 
     Args:
-        stages: pure functions ``stage(params_i, x) -> y``, one per stage.
-        params: one pytree of tensors per stage. Each stage runs on the device of its
+        stages: pure functions ``stage(params_i, x) -> y``, one per stage; or the
+            :class:`fpipe.stages.Stages` that ``from_sequential`` / ``from_modules`` made,
+            which brings its params, state and ties (``fpipe.pipeline(s, schedule=...)``).
+            Stages cut with ties refuse to run without them.
+        params: one pytree of tensors per stage (not with a ``Stages``). Each stage runs on the device of its
             parameters; they are never copied or moved. Every floating-point leaf is
             differentiated (as ``torch.func`` does, whatever its ``requires_grad``) except an
             ``nn.Parameter`` with ``requires_grad=False``, which is frozen: its gradient is
@@ -130,12 +136,18 @@ class Pipeline:
     ``with`` block) stops them, as does garbage collection of the pipeline.
     """
 
-    def __init__(self, stages: Sequence[Stage], params: Sequence[Any], *, schedule: Any,
+    def __init__(self, stages: Sequence[Stage] | Stages, params: Sequence[Any] | None = None,
+                 *, schedule: Any,
                  loss_fn: Callable | None = None,
                  devices: Sequence[torch.device | str] | None = None,
                  state: Sequence[Any] | None = None, nonfinite: str = "raise",
                  grad_dtype: torch.dtype | None = None, autodiff: str = "autograd",
                  ties: Iterable | None = None) -> None:
+        if isinstance(stages, Stages):
+            stages, params, state, ties = _unpacked(stages, params, state, ties)
+        if params is None:
+            raise TypeError("fpipe.pipeline needs params= (one pytree per stage), or the "
+                            "Stages value from fpipe.stages as its first argument")
         if isinstance(params, Mapping):
             raise TypeError(
                 f"params is a {type(params).__name__}: fpipe.pipeline takes a list with one "
@@ -168,6 +180,8 @@ class Pipeline:
         self.param_specs = tuple(optree.tree_structure(p) for p in params)
         check_params(dict(enumerate(params)), self.devices)
         self._ties = TieSums(ties, params, grad_dtype)
+        check_ties_given(stages, ties)
+        self._sources = _sources(stages, params)
         self.state = None
         if state is not None:
             check_state(dict(enumerate(state)), self.devices)
@@ -248,7 +262,7 @@ class Pipeline:
         if error is not None:
             raise error
         loss = returned_loss(losses.sum())
-        grads = self._grad_trees(result.grads)
+        grads = self._grad_trees(result.grads, self.params if params is None else params)
         return (loss, grads, result.state) if self.stateful else (loss, grads)
 
     def vjp(self, x: Any, *, params: Sequence[Any] | None = None,
@@ -295,10 +309,14 @@ class Pipeline:
         return (leaves, states, n, [flatten(mb) for mb in inputs],
                 microbatch.sizes(n, self.chunks))
 
-    def _grad_trees(self, grads: list) -> list:
-        """A step's flat gradients, reduced (tied leaves summed), as pytrees like ``params``.
-        The one place where a step's gradients are post-processed."""
+    def _grad_trees(self, grads: list, hooks_of: Sequence[Any] | None = None) -> list:
+        """A step's flat gradients, reduced (tied leaves summed), as pytrees like ``params``;
+        with ``hooks_of`` (the step's params), through their leaves' gradient hooks (see
+        :mod:`fpipe._runtime.sources`). The one place where a step's gradients are
+        post-processed."""
         grads = self._ties(grads)
+        if hooks_of is not None:
+            grads = hooked(grads, [optree.tree_leaves(p) for p in hooks_of], self._sources)
         return [optree.tree_unflatten(spec, g) for spec, g in zip(self.param_specs, grads)]
 
     def close(self) -> None:
@@ -328,7 +346,8 @@ class Pipeline:
                     raise ValueError(f"params[{s}] has structure {optree.tree_structure(tree)}, "
                                      f"but the pipeline was built with {spec}")
             check_params(dict(enumerate(params)), self.devices)
-        return [param_leaves(p) for p in params]
+        leaves = [param_leaves(p) for p in params]
+        return follow(leaves, self._sources) if any(self._sources) else leaves
 
     def _state(self, state: Sequence[Any] | None) -> list:
         if not self.stateful:
@@ -351,3 +370,30 @@ class Pipeline:
         non_blocking = device.type == "cuda"
         return tree_map(lambda leaf: leaf.to(device, non_blocking=non_blocking)
                         if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+
+def _unpacked(cut: Stages, params: Any, state: Any, ties: Any) -> tuple:
+    """A ``Stages`` value's stages, params, state and ties (``state=`` and ``ties=`` given
+    beside it win)."""
+    if params is not None:
+        raise TypeError("fpipe.pipeline(s, ...) takes the params from the Stages value s: do "
+                        "not pass params= beside it")
+    return (cut.stages, cut.params, cut.state if state is None else state,
+            cut.ties if ties is None else ties)
+
+
+def _sources(stages: Sequence[Any], params: Sequence[Any]) -> list:
+    """Per stage, the model parameter each of its leaves was cut from (``None`` where none):
+    the leaves of a stage whose ``sources()`` names them (``fpipe.stages``' module stages),
+    for :mod:`fpipe._runtime.sources`."""
+    found = []
+    for stage, tree in zip(stages, params):
+        named = getattr(stage, "sources", None)
+        if named is None or not isinstance(tree, Mapping):
+            found.append(None)
+            continue
+        by_name = named()
+        paths, _, _ = optree.tree_flatten_with_path(tree)
+        aligned = [by_name.get(path[0]) if len(path) == 1 else None for path in paths]
+        found.append(aligned if any(t is not None for t in aligned) else None)
+    return found

@@ -103,7 +103,8 @@ def test_from_sequential_keeps_frozen_layers_frozen_parameters():
     s = from_sequential(model(), [2, 2], stateful=False)
     assert isinstance(s.params[0]["0.weight"], nn.Parameter)
     assert not s.params[0]["0.weight"].requires_grad
-    assert not isinstance(s.params[1]["3.weight"], nn.Parameter)  # trainable: a plain tensor
+    trainable = s.params[1]["3.weight"]  # trainable: a Parameter requiring grad, as the model's
+    assert isinstance(trainable, nn.Parameter) and trainable.requires_grad
 
 
 def test_plain_tensors_follow_torch_func_and_a_frozen_parameter_is_explicit():

@@ -72,7 +72,7 @@ def test_sequential_gradients_match_the_module(balance, schedule):
         torch.testing.assert_close(merged[name], g, **TIGHT)
 
 
-def test_params_are_detached_copies_on_the_devices_frozen_ones_frozen_parameters():
+def test_params_are_parameter_copies_on_the_devices_with_the_models_requires_grad():
     model = mlp()
     model[2].bias.requires_grad_(False)  # frozen in the model: frozen in the stages
     s = from_sequential(model, [3, 5], devices=["cpu", torch.device("cpu")])
@@ -80,10 +80,11 @@ def test_params_are_detached_copies_on_the_devices_frozen_ones_frozen_parameters
     assert s.state == [{}, {}]
     for part in s.params:
         for name, t in part.items():
-            assert t.is_leaf and not t.requires_grad
-            assert isinstance(t, nn.Parameter) == (name == "2.bias")
+            assert t.is_leaf and isinstance(t, nn.Parameter)
+            assert t.requires_grad == (name != "2.bias")
             assert t.device == torch.device("cpu")
-    s.params[0]["0.weight"].zero_()
+    with torch.no_grad():
+        s.params[0]["0.weight"].zero_()
     assert model[0].weight.abs().sum() > 0  # the module is not aliased
 
 
@@ -354,14 +355,13 @@ def test_a_parameter_in_two_stages_becomes_a_tie_with_a_copy_per_stage():
     a, b = s.params[0]["0.weight"], s.params[1]["2.weight"]
     assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
     assert a.data_ptr() != model[0].weight.data_ptr()
-    # Summed over the tie, the copies' gradients are the tied weight's own (float64).
+    # Summed over the tie, each copy's gradient is the tied weight's own (float64).
     x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
-    with fpipe.pipeline(s.stages, s.params, schedule=gpipe(chunks=3),
-                        loss_fn=F.mse_loss) as pipe:
+    with fpipe.pipeline(s, schedule=gpipe(chunks=3), loss_fn=F.mse_loss) as pipe:
         _, grads = pipe.value_and_grad(x, target)
     F.mse_loss(model(x), target).backward()
-    torch.testing.assert_close(grads[0]["0.weight"] + grads[1]["2.weight"], model[0].weight.grad,
-                               **TIGHT)
+    torch.testing.assert_close(grads[0]["0.weight"], model[0].weight.grad, **TIGHT)
+    torch.testing.assert_close(grads[1]["2.weight"], model[0].weight.grad, **TIGHT)
     torch.testing.assert_close(grads[1]["2.bias"], model[2].bias.grad, **TIGHT)
 
 
@@ -423,13 +423,15 @@ def test_load_into_hands_a_tied_weight_to_both_names(device):
     s = from_modules(modules, root=model, stateful=False)
     assert (model.wte.weight is model.lm_head.weight) == (device == "cpu")
     trained = torch.randn(7, 4)
-    for (stage, name) in s.ties[0]:
-        s.params[stage][name].copy_(trained)  # what a step on summed gradients keeps equal
+    with torch.no_grad():  # the copies are nn.Parameters, as the model's
+        for (stage, name) in s.ties[0]:
+            s.params[stage][name].copy_(trained)  # what a step on summed gradients keeps equal
     load_into(modules, s.params)
     assert torch.equal(model.wte.weight, trained) and torch.equal(model.lm_head.weight, trained)
     trained = trained + 1
-    for (stage, name) in s.ties[0]:
-        s.params[stage][name].copy_(trained)
+    with torch.no_grad():
+        for (stage, name) in s.ties[0]:
+            s.params[stage][name].copy_(trained)
     load_into(model, s.params, names=s.names)  # the whole model, by the model's names
     assert torch.equal(model.wte.weight, trained) and torch.equal(model.lm_head.weight, trained)
 

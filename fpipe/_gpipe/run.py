@@ -29,7 +29,7 @@ from fpipe.recompute import is_checkpointing
 from fpipe.schedules.actions import Action, B, F, Program
 from fpipe.schedules.remat import apply_remat
 from fpipe.stages.module_skip import route_module_skips
-from fpipe.stages.sequential import StatefulModuleStage
+from fpipe.stages.sequential import StatefulModuleStage, tensor_names
 
 __all__: list[str] = []
 
@@ -56,6 +56,12 @@ def remat_of(checkpoint: str, chunks: int, microbatches: int) -> str:
     if checkpoint == "except_last" and microbatches < chunks:
         return "always"
     return checkpoint
+
+
+def recomputes(remat: str, microbatches: int) -> bool:
+    """Whether a step under ``remat`` recomputes any micro-batch (``"except_last"`` keeps the
+    last one, so of one micro-batch it recomputes nothing)."""
+    return remat == "always" or (remat == "except_last" and microbatches > 1)
 
 
 def clock_program(n_microbatches: int, devices: Sequence[torch.device], remat: str) -> Program:
@@ -88,9 +94,10 @@ class Partition:
     needed the overwritten value. Only a checkpointed forward is refused, at once: its
     recompute would start from the overwritten input."""
 
-    def __init__(self, module: nn.Module, index: int) -> None:
-        self.stage = StatefulModuleStage(module)
+    def __init__(self, module: nn.Module, index: int, model: Any = None) -> None:
+        self.stage = StatefulModuleStage(module, model)
         self.index = index
+        self.name_of = self.stage.name_of  # names a weight the partition reaches unheld
 
     def __call__(self, params: Any, state: Any, x: Any) -> tuple[Any, Any]:
         if is_checkpointing():
@@ -156,8 +163,10 @@ class Pipelines:
         key = (microbatches, remat)
         if key not in self.built:
             if self.stages is None:
+                model = tensor_names({f"partition {j}'s ": p for j, p in enumerate(partitions)})
                 self.stages = route_module_skips(
-                    [Partition(p, j) for j, p in enumerate(partitions)], list(partitions), True)
+                    [Partition(p, j, model) for j, p in enumerate(partitions)], list(partitions),
+                    True)
             self.built[key] = Pipeline(self.stages, params, state=state, devices=devices,
                                        schedule=clock_program(microbatches, devices, remat))
         return self.built[key]

@@ -14,6 +14,7 @@ import optree
 import torch
 
 from fpipe._runtime.adapters import Core, MicroBatch
+from fpipe._runtime.given import check_given
 from fpipe._runtime.reentrant import check_no_reentrant_checkpoint
 from fpipe._runtime.split_backward import split_vjp
 from fpipe._runtime.values import Value, check_output, describe, flatten, placed
@@ -39,7 +40,8 @@ class StageCall:
     def __init__(self, core: Core, param_spec: optree.PyTreeSpec, grad_input: bool,
                  engine: Callable = autograd_vjp,
                  inputs_named: tuple[str, ...] = ("its input x",),
-                 outputs_named: tuple[str, ...] = ("output",)) -> None:
+                 outputs_named: tuple[str, ...] = ("output",),
+                 name_of: Callable[[torch.Tensor], str | None] | None = None) -> None:
         self.core = core
         self.param_spec = param_spec
         self.grad_input = grad_input
@@ -49,6 +51,10 @@ class StageCall:
         # Whether forward_vjp can add parameter gradients into the step's leaves (autograd).
         self.accumulates = engine is autograd_vjp
         self.searched = False  # whether a vjp's graph was searched for a reentrant checkpoint
+        # The input signatures whose graph was searched for tensors the stage was not given
+        # (see fpipe._runtime.given); ``name_of`` names such a tensor where the stage can.
+        self.checked: set[tuple] = set()
+        self.name_of = name_of
 
     def forward(self, params: list, inputs: tuple[Value, ...], state: Any,
                 mb: MicroBatch, requiring: list | None = None) -> tuple[list[Value], Any]:
@@ -86,6 +92,7 @@ class StageCall:
         them (see :mod:`fpipe._runtime.vjp`)."""
         index = [value.grad_index for value in inputs] if self.grad_input else [()] * len(inputs)
         side: list = []  # what leaves the transform beside the differentiated outputs
+        given: list = []  # the leaves the core was called on, as the transform made them
 
         def flat(param_leaves: list, grad_leaves: list):
             param_leaves = placed(params, trainable, param_leaves)  # the frozen ones back
@@ -100,6 +107,7 @@ class StageCall:
                 trees.append(optree.tree_unflatten(value.spec, full))
             results, new_state = self.core(optree.tree_unflatten(self.param_spec, param_leaves),
                                            state, tuple(trees), mb)
+            given.extend((*param_leaves, *grad_leaves))
             state_leaves, state_spec, state_kept = [], None, []  # a stateless stage's
             if new_state is not None:
                 state_leaves, state_spec = optree.tree_flatten(new_state)
@@ -139,6 +147,13 @@ class StageCall:
         if not self.searched and (self.accumulates or split):  # once: see reentrant.py
             check_no_reentrant_checkpoint(out.leaves[i] for out in outs for i in out.grad_index)
             self.searched = True
+        signature = _signature(inputs)
+        if signature not in self.checked:  # once per input signature: see given.py
+            check_given((*(leaf for out in outs for leaf in out.leaves), *primals),
+                        (*given, *params, *(leaf for value in inputs for leaf in value.leaves),
+                         *(optree.tree_leaves(state) if state is not None else ())),
+                        self.name_of)
+            self.checked.add(signature)
         for (k, i), leaf in zip(kept, aux):
             outs[k].leaves[i] = leaf
         new_state = None
@@ -160,6 +175,13 @@ class StageCall:
             for what, out in zip(self.outputs_named, outs):
                 check_output(out, size, what)
         return outs
+
+
+def _signature(inputs: tuple[Value, ...]) -> tuple:
+    """The shapes and dtypes of a call's tensor inputs: a stage may take another path (and
+    reach other tensors) for another shape, so each is searched once."""
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else None
+                 for value in inputs for leaf in value.leaves)
 
 
 def _requiring(value: Value) -> Any:

@@ -71,7 +71,8 @@ class Interpreter:
             # torch.func.vjp would run a compiled stage uncompiled (see compiled.py)
             engine=ENGINES["autograd" if is_compiled(fn) else autodiff],
             inputs_named=("its input x", *(f"skip {name!r}" for name in self.pops[s])),
-            outputs_named=("output", *(f"stashed skip {name!r}" for name in self.stashes[s])))
+            outputs_named=("output", *(f"stashed skip {name!r}" for name in self.stashes[s])),
+            name_of=getattr(fn, "name_of", None))  # a module stage names its model's tensors
 
     def run(self, step: Step, actions: tuple, channel: Channel) -> None:
         """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail`, located

@@ -197,13 +197,12 @@ def _taker(device: torch.device, made: set[int]) -> Callable[[Iterable], Tensors
 
 
 def _as_parameters(taken: Tensors, module: nn.Module) -> Tensors:
-    """The stage's parameters, those frozen in the model (``requires_grad=False``) as frozen
-    ``nn.Parameter``s, which the pipeline does not differentiate (see ``fpipe.pipeline``);
-    the others plain tensors, as ``torch.func`` takes them."""
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
-    if not frozen:
-        return taken
-    return {name: nn.Parameter(t, requires_grad=False) if name in frozen else t
+    """The stage's parameters as ``nn.Parameter``s with the model's ``requires_grad``: those
+    frozen in the model are not differentiated (see ``fpipe.pipeline``), and a copy frozen
+    later (``requires_grad_(False)``) is frozen from the next step, as the model's would be."""
+    flags = {name: p.requires_grad for name, p in module.named_parameters()}
+    return {name: nn.Parameter(t, requires_grad=flags.get(name, True) and (
+                            t.is_floating_point() or t.is_complex()))
             for name, t in taken.items()}
 
 

@@ -23,7 +23,7 @@ from fpipe.stages.naming import Tie, find_ties, model_names, module_names
 from fpipe.stages.swap import Swap
 
 __all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
-           "load_into"]
+           "load_into", "required_ties", "check_ties_given"]
 
 Tensors = dict[str, torch.Tensor]
 
@@ -53,14 +53,31 @@ class ModuleStage:
 
     ``x`` is passed as the module's one positional argument, as ``nn.Sequential`` passes values
     between its layers: a stage returning a tuple hands the whole tuple to the next one.
+    ``model``: the tensors of the whole model by name (:func:`tensor_names`), so that a
+    refusal can name a weight the module reaches without holding it (see
+    ``fpipe._runtime.given``); by default its own. ``ties``: the ties the cut found that
+    involve this stage, which a pipeline refuses to run without (see :func:`required_ties`).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, model: TensorNames | None = None,
+                 ties: tuple[Tie, ...] = ()) -> None:
         self.module = module
         self.swap = Swap(module)
+        self.model = tensor_names({"": module}) if model is None else model
+        self.ties = ties
 
     def __call__(self, params: Tensors, x: Any) -> Any:
         return self.swap(params, (x,))
+
+    def name_of(self, tensor: torch.Tensor) -> str | None:
+        """The model's name of ``tensor``, where it is one of the model's tensors."""
+        held = self.model.get(id(tensor))
+        return held[1] if held is not None and held[0] is tensor else None
+
+    def sources(self) -> dict[str, torch.Tensor]:
+        """The module's own parameters by name: the model's, whose ``requires_grad`` and
+        gradient hooks the stage's copies follow (see ``fpipe.pipeline``)."""
+        return dict(self.module.named_parameters())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.module!r})"
@@ -71,14 +88,57 @@ class StatefulModuleStage(ModuleStage):
 
     The buffers are cloned before the call, so in-place updates (BatchNorm's running statistics)
     land on the clones, which are returned: the caller's ``state`` is never written, which lets
-    the driver replay a forward from the state it saw.
+    the driver replay a forward from the state it saw. A buffer the module reassigns
+    (``self.steps = self.steps + 1``, in any submodule) is returned as reassigned, as plain
+    PyTorch keeps it.
     """
 
     def __call__(self, params: Tensors, state: Tensors, x: Any) -> tuple[Any, Tensors]:
-        new_state = {name: buffer.clone() for name, buffer in state.items()}
-        if params.keys() & new_state.keys():  # functional_call's error for a name given twice
-            return torch.func.functional_call(self.module, (params, new_state), (x,)), new_state
-        return self.swap({**params, **new_state}, (x,)), new_state
+        tensors = {name: buffer.clone() for name, buffer in state.items()}
+        if params.keys() & tensors.keys():  # functional_call's error for a name given twice
+            return torch.func.functional_call(self.module, (params, tensors), (x,)), tensors
+        tensors.update(params)
+        y = self.swap(tensors, (x,))  # writes a reassigned tensor back into ``tensors``
+        return y, {name: tensors[name] for name in state}
+
+
+TensorNames = dict[int, tuple[torch.Tensor, str]]
+
+
+def tensor_names(modules: dict[str, nn.Module]) -> TensorNames:
+    """``{id: (tensor, name)}`` of every parameter and buffer of ``modules`` (a name prefix
+    each), the first name winning: what a refusal calls a model's tensor."""
+    names: TensorNames = {}
+    for prefix, module in modules.items():
+        for named in (module.named_parameters(remove_duplicate=False),
+                      module.named_buffers(remove_duplicate=False)):
+            for name, t in named:
+                names.setdefault(id(t), (t, f"{prefix}{name!r}"))
+    return names
+
+
+def required_ties(stages: Sequence[Any]) -> tuple[Tie, ...]:
+    """The ties that stages cut from a model found (each stage's ``ties``), once each: a
+    pipeline over them without these ties would train each copy apart."""
+    found: list[Tie] = []
+    for stage in stages:
+        for tie in getattr(stage, "ties", ()):
+            if tie not in found:
+                found.append(tie)
+    return tuple(found)
+
+
+def check_ties_given(stages: Sequence[Any], ties: Any) -> None:
+    """Refuse a pipeline over cut stages that leaves out a tie the cut found: its copies would
+    drift apart, silently. ``ties`` is the pipeline's ``ties=`` (already checked)."""
+    given = {frozenset((int(s), str(n)) for s, n in tie) for tie in (ties or ())}
+    for tie in required_ties(stages):
+        if not any(frozenset(tie) <= members for members in given):
+            listed = " and ".join(f"{name!r} of stage {s}" for s, name in tie)
+            raise ValueError(
+                f"{listed} are one weight of the model (tied), which this pipeline was not "
+                f"told: each copy would train apart. Pass the Stages value itself "
+                f"(fpipe.pipeline(s, schedule=...)), or ties=s.ties")
 
 
 def from_sequential(module: nn.Sequential, balance: Sequence[int],
@@ -154,6 +214,7 @@ def _build(modules: Sequence[nn.Module], devices: Sequence[torch.device | str] |
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"modules[{i}] is a {type(m).__name__}, not an nn.Module")
+    _check_no_post_accumulate_hooks(modules)
     devices = _check_devices(devices, len(modules))
     held = _check_held(held, len(modules))
     names = model_names(modules, root)
@@ -168,7 +229,14 @@ def _build(modules: Sequence[nn.Module], devices: Sequence[torch.device | str] |
                                  f"fpipe.pipeline")
     params, state = place_stages(modules, devices, held, module_names(modules, seed_root), init)
     kind = StatefulModuleStage if stateful else ModuleStage
-    stages = tuple(route_module_skips([kind(m) for m in modules], modules, stateful))
+    model = tensor_names({"": root} if root is not None else
+                         {f"stage {i}'s ": m for i, m in enumerate(modules)})
+    cut = [kind(m, model, tuple(t for t in ties if any(s == i for s, _ in t)))
+           for i, m in enumerate(modules)]
+    stages = tuple(route_module_skips(cut, modules, stateful))
+    for stage, inner in zip(stages, cut):
+        if stage is not inner:  # a skip stage around it answers for the module stage
+            stage.ties, stage.name_of, stage.sources = inner.ties, inner.name_of, inner.sources
     return Stages(stages, params, state if stateful else None, names, ties)
 
 
@@ -231,6 +299,23 @@ def _writes(modules: list, params: Sequence[Tensors],
                                  f"gradients summed (ties=s.ties)? Nothing was loaded")
             writes.append((own[name], value, where))
     return writes
+
+
+def _check_no_post_accumulate_hooks(modules: Sequence[nn.Module]) -> None:
+    """A ``register_post_accumulate_grad_hook`` on a model parameter is refused at the cut: it
+    would be called with the model's parameter after its ``.grad`` is accumulated, which the
+    stages' copies never do (their gradients come back from the pipeline). Tensor hooks
+    (``register_hook``) are kept: the pipeline applies them to the gradient."""
+    for i, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            if getattr(p, "_post_accumulate_grad_hooks", None):
+                raise ValueError(
+                    f"stage {i}'s parameter {name!r} has a post-accumulate-grad hook "
+                    f"(register_post_accumulate_grad_hook), which a cut model cannot call: "
+                    f"its copies' gradients are returned by the pipeline, not accumulated into "
+                    f"the model's .grad. Remove the hook and run its work after "
+                    f"fpipe.optim.bind_grads (or register it on the stage's parameter copy, "
+                    f"whose .grad bind_grads sets)")
 
 
 def check_balance(balance: Sequence[int], n_layers: int) -> list[int]:
