@@ -9,8 +9,8 @@ module hold the model's own layers: embeddings (``wte + wpe``, dropout), a run o
 builds the causal mask the blocks expect), and the head (``ln_f``, ``lm_head``); four stages in
 all. ``fpipe.stages.from_modules(..., root=model)`` turns them into stages: the tied weight is
 in the first stage and the last, so each gets a copy and ``s.ties`` names the pair; the
-pipeline, given ``ties=s.ties``, sums the two copies' gradients, so the same optimiser step
-keeps them equal. The data follows the rule ``next = (5 * token + 3) % vocab``, so the loss
+pipeline, given the Stages value ``s`` itself (which brings ``s.ties``), sums the two copies'
+gradients, so the same optimiser step keeps them equal. The data follows the rule ``next = (5 * token + 3) % vocab``, so the loss
 falls as the model learns it. At the end the trained weights are handed back to the model
 (both names of the tied weight), whose own forward gives the final loss.
 """
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
     print(f"tied across stages: {s.ties}")
     optimizer = torch.optim.AdamW(optree.tree_leaves(s.params), lr=args.lr)
     schedule = fit(one_f_one_b(chunks=args.chunks), len(s.stages))  # a worker per core at most
-    with fpipe.pipeline(s.stages, s.params, schedule=schedule,
-                        loss_fn=next_token_loss, ties=s.ties) as pipe:
+    with fpipe.pipeline(s, schedule=schedule, loss_fn=next_token_loss) as pipe:
         print(f"GPT-2 from transformers in {len(s.stages)} stages:\n{pipe.program}")
         first = None
         for step in range(1, args.steps + 1):
