@@ -39,12 +39,11 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.ranks import saved_groups, teardown, training_state
+from fpipe._runtime.ranks import entries, saved_groups, teardown, training_state
 from fpipe._runtime.ranks.intact import (
     SUMS,
     agreed,
     checksums,
-    dotted,
     files_whole,
     fresh,
     read_failure,
@@ -60,6 +59,7 @@ from fpipe._runtime.ranks.saved_optimizer import (
     state_request,
 )
 from fpipe._runtime.trees import leaf_names, stage_items
+from fpipe.errors import CheckpointError
 
 __all__ = ["save", "load", "load_module", "names"]
 
@@ -128,10 +128,6 @@ def _names_of(rename: Any, stage: int) -> Mapping[str, str]:
         raise KeyError(f"names has no entry for stage {stage}") from None
 
 
-
-
-
-
 def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
@@ -169,11 +165,13 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     if optimizer is not None:
         state_dict[_OPTIM] = flat_optimizer(optimizer, optimizer_names(optimizer, model))
     training_state.add(state_dict, extra, rng, process_group)
+    agreed(lambda: [entries.plain_data(key, value) for key, value in
+                    entries.flat(state_dict).items() if not isinstance(value, torch.Tensor)],
+           process_group, "save")
     state_dict[SUMS] = checksums(state_dict)
     with _quiet():
         dcp.save(state_dict, checkpoint_id=directory, storage_writer=storage_writer,
                  process_group=process_group)
-
 
 
 @contextlib.contextmanager
@@ -219,18 +217,25 @@ def _metadata(reader: Any, directory: str | os.PathLike | None) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint in {_where(reader, directory)!r} (DCP's "
                                 f".metadata is missing)") from None
+    except Exception as exc:  # noqa: BLE001 - any damage: named, the reader's error its cause
+        root = getattr(reader, "path", None)
+        place = _where(reader, directory) if root is None else os.path.join(root, ".metadata")
+        raise CheckpointError(f"the checkpoint's metadata {os.fspath(place)!r} is damaged: it "
+                              f"does not read as DCP's Metadata ({type(exc).__name__})"
+                              ) from exc
 
 
 def _dcp_load(request: dict, metadata: Any, directory: Any, reader: Any,
-              process_group: Any = None) -> None:
-    """``dcp.load``, its failures (``CheckpointException`` derives from ``BaseException``)
-    raised as :class:`fpipe.errors.CheckpointError`, naming the files it read."""
+              process_group: Any, planner: Any) -> None:
+    """``dcp.load`` (objects read as data by ``planner``), its failures
+    (``CheckpointException`` derives from ``BaseException``) raised as
+    :class:`fpipe.errors.CheckpointError`, naming the files it read."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     with torch.no_grad(), _quiet():
         try:
             _dcp(process_group).load(request, checkpoint_id=directory, storage_reader=reader,
-                                     process_group=process_group)
+                                     process_group=process_group, planner=planner)
         except (CheckpointException, Exception) as exc:
             keys = [".".join(map(str, path)) for path in
                     optree.tree_paths(request, none_is_leaf=True)]
@@ -240,16 +245,18 @@ def _dcp_load(request: dict, metadata: Any, directory: Any, reader: Any,
 
 def _read_checked(request: dict, metadata: Any, directory: Any, reader: Any,
                   process_group: Any) -> dict:
-    """``request`` (new tensors and placeholders) read, with the checksums of its tensors,
-    and checked against them on every rank before anything is returned."""
+    """``request`` (new tensors and placeholders) read, objects as data only, with the
+    checksums of its entries, and checked against them on every rank before anything is
+    returned."""
     held = metadata.state_dict_metadata
-    sums = agreed(lambda: sums_request(held, list(dotted(request))), process_group)
+    sums = agreed(lambda: sums_request(held, list(entries.flat(request))), process_group)
     if sums is not None:
         request = {**request, SUMS: sums}
-    _dcp_load(request, metadata, directory, reader, process_group)
-    agreed(lambda: verify(dotted({k: v for k, v in request.items() if k != SUMS}),
-                          request.get(SUMS), metadata, reader, _where(reader, directory)),
-           process_group)
+    planner = entries.planner()
+    _dcp_load(request, metadata, directory, reader, process_group, planner)
+    agreed(lambda: verify(entries.flat({k: v for k, v in request.items() if k != SUMS}),
+                          planner.refused, request.get(SUMS), metadata, reader,
+                          _where(reader, directory)), process_group)
     return request
 
 
@@ -262,14 +269,6 @@ def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any
         if shape != tuple(leaf.shape) or dtype != leaf.dtype:
             raise ValueError(f"{name!r} (stage {stage}) is {shape} {dtype} in the checkpoint "
                              f"but {tuple(leaf.shape)} {leaf.dtype} here")
-
-
-
-
-
-
-
-
 
 
 def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
@@ -306,24 +305,29 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     and checked on every rank.
     """
     reader = _reader(directory, storage_reader)
-    metadata = _metadata(reader, directory)
+    metadata = agreed(lambda: _metadata(reader, directory), process_group)
     held = metadata.state_dict_metadata
-    model = _model_names(params, state, names)
-    more = agreed(lambda: (_check_model(model, held), files_whole(metadata, reader),
-                           training_state.request(extra, rng, held, process_group))[-1],
-                  process_group)
 
-    def read(entries: dict[str, Any]) -> Any:
-        """One ``dcp.load`` (collective) of optimiser entries (hyper-parameters)."""
-        request = {_OPTIM: entries}
-        _dcp_load(request, metadata, directory, reader, process_group)
-        return request[_OPTIM]
+    def check() -> tuple:
+        model = _model_names(params, state, names)
+        _check_model(model, held)
+        files_whole(metadata, reader)
+        order = None if optimizer is None else optimizer_names(optimizer, model)
+        return model, order, training_state.request(extra, rng, held, process_group)
+
+    # Every refusal, on any rank, is agreed (raised alike on every rank) before the next read.
+    model, order, more = agreed(check, process_group)
+
+    def read(wanted: dict[str, Any]) -> Any:
+        """One checked ``dcp.load`` (collective) of optimiser entries (hyper-parameters)."""
+        return _read_checked({_OPTIM: wanted}, metadata, directory, reader,
+                             process_group)[_OPTIM]
 
     request: dict[str, Any] = {_MODEL: {name: torch.empty_like(leaf)
                                         for name, (_, leaf) in model.items()}}
     if optimizer is not None:
-        order, hyper = hyper_parameters(read, optimizer, optimizer_names(optimizer, model),
-                                         held, ties, names)
+        order, hyper = hyper_parameters(read, lambda check: agreed(check, process_group),
+                                        optimizer, order, held, ties, names)
         request[_OPTIM] = state_request(order, held)
     got = _read_checked({**request, **more}, metadata, directory, reader, process_group)
     with torch.no_grad():  # all read and checked on every rank: now written
@@ -363,11 +367,22 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
     if optimizer is None:
         state_dict = {_MODEL: get_model_state_dict(module, options=options)}
     else:
+        # torch's get_state_dict gives a new optimiser state (a step with zero gradients):
+        # taken back if the load is refused, so a refusal leaves the optimiser as it was.
+        fresh_optimizer = not optimizer.state
         model, optim = get_state_dict(module, optimizer, options=options)
         state_dict = {_MODEL: model, _OPTIM: optim}
-    # Read into new tensors, checked whole, before torch copies them into the module.
-    state_dict = _read_checked({**fresh(state_dict), **more}, metadata, directory, reader,
-                               None)
+    try:  # read into new tensors, checked whole, before torch copies them into the module
+        state_dict = _read_checked({**fresh(state_dict), **more}, metadata, directory,
+                                   reader, None)
+        if optimizer is not None:  # refused as load refuses it: one value of two is lost
+            saved_groups.check_groups(optimizer, saved_groups.module_order(module, optimizer),
+                                      saved_groups.module_hyper(state_dict[_OPTIM],
+                                                                bool(nested)))
+    except BaseException:
+        if optimizer is not None and fresh_optimizer:
+            optimizer.state.clear()
+        raise
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)
     training_state.put(extra, state_dict)
