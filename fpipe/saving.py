@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fpipe._runtime.ranks import entries, saved_groups, teardown, training_state
+from fpipe._runtime.ranks import metadata as safe_metadata
 from fpipe._runtime.ranks.intact import (
     SUMS,
     agreed,
@@ -194,10 +195,12 @@ def _located(directory: str | os.PathLike | None, storage: Any, argument: str) -
 
 def _reader(directory: str | os.PathLike | None, storage_reader: Any) -> Any:
     """The DCP reader the metadata check and the read both use: the one given, reset to
-    ``directory`` as ``dcp.load`` resets it (when given), else a ``FileSystemReader``."""
+    ``directory`` as ``dcp.load`` resets it (when given), else a ``FileSystemReader`` that
+    reads ``.metadata`` as data only (:mod:`fpipe._runtime.ranks.metadata`)."""
     _located(directory, storage_reader, "storage_reader")
     if storage_reader is None:
-        return _dcp().FileSystemReader(directory)
+        _dcp()
+        return safe_metadata.reader(directory)
     if directory is not None:
         storage_reader.reset(directory)
     return storage_reader
@@ -217,6 +220,8 @@ def _metadata(reader: Any, directory: str | os.PathLike | None) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint in {_where(reader, directory)!r} (DCP's "
                                 f".metadata is missing)") from None
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any damage: named, the reader's error its cause
         root = getattr(reader, "path", None)
         place = _where(reader, directory) if root is None else os.path.join(root, ".metadata")

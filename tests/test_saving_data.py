@@ -255,3 +255,19 @@ def test_load_module_refuses_what_load_refuses_conflicting_learning_rates(tmp_pa
             saving.load_module(tmp_path, other, single)
     assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
     assert not single.state
+
+
+@pytest.mark.parametrize("face", ["load", "load_module"])
+def test_a_metadata_file_that_would_run_code_is_refused_and_not_run(saved, face):
+    """DCP's ``.metadata`` is a pickle too: fpipe reads it admitting DCP's own metadata
+    types alone."""
+    import pickle
+
+    touched = saved.parent / "touched"
+    path = os.path.join(saved, ".metadata")
+    with open(path, "wb") as file:
+        pickle.dump(Touch(str(touched)), file)
+    error = load_into(face, saved)
+    assert not touched.exists()
+    assert str(error).startswith(f"the checkpoint's metadata {path!r} is not data: reading "
+                                 f"it would call pathlib.Path.touch"), error
