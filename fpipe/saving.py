@@ -335,11 +335,13 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
                                         optimizer, order, held, ties, names)
         request[_OPTIM] = state_request(order, held)
     got = _read_checked({**request, **more}, metadata, directory, reader, process_group)
+    optim = None if optimizer is None else agreed(
+        lambda: optimizer_state_dict(optimizer, order, got[_OPTIM], hyper), process_group)
     with torch.no_grad():  # all read and checked on every rank: now written
         for name, (_, leaf) in model.items():
             leaf.copy_(got[_MODEL][name])
     if optimizer is not None:
-        optimizer.load_state_dict(optimizer_state_dict(optimizer, order, got[_OPTIM], hyper))
+        optimizer.load_state_dict(optim)
     training_state.put(extra, got)
     return params if state is None else (params, state)
 

@@ -63,8 +63,9 @@ def entry_sum(value: Any) -> int:
 
 
 def checksums(state_dict: dict) -> dict[str, int]:
-    """What ``save`` writes under :data:`SUMS`: each entry's DCP key -> its checksum."""
-    return {key: entry_sum(value) for key, value in flat(state_dict).items()}
+    """What ``save`` writes under :data:`SUMS`: each entry's DCP key -> its checksum (in key
+    order: a ``DTensor``'s sum is a collective, which replicas reach in one order)."""
+    return {key: entry_sum(value) for key, value in sorted(flat(state_dict).items())}
 
 
 def fresh(tree: Any) -> Any:
@@ -120,16 +121,16 @@ def sums_request(held: dict[str, Any], keys: list[str]) -> dict[str, None] | Non
 def verify(read: dict[str, Any], refused: dict[str, BaseException], saved: dict[str, int] | None,
            metadata: Any, reader: Any, where: str) -> None:
     """Raise :class:`CheckpointError` naming the first entry, and its file, that was not read
-    as data (``refused``: key -> the unpickler's error, then its cause) or whose checksum is
-    not the one saved; the checksums themselves first (read as any entry)."""
+    as data (``refused``: key -> the unpickler's error, then its cause; the checksums first)
+    or whose checksum is not the one saved. Every sum is taken before anything is raised (a
+    ``DTensor``'s is a collective its replicas all reach)."""
+    sums = {key: entry_sum(value) for key, value in sorted(read.items())} if saved else {}
     files = _files(metadata, reader)
-    for key in sorted(refused, key=lambda k: not k.startswith(f"{SUMS}.")):
+    for key in sorted(refused, key=lambda k: (not k.startswith(f"{SUMS}."), k)):
         place = files.get(key, (where, 0))[0]
         raise CheckpointError(refusal(key, refused[key], place)) from refused[key]
-    if saved is None:
-        return
-    for key, value in read.items():
-        if entry_sum(value) != saved[key]:
+    for key, value in sums.items():
+        if value != saved[key]:  # type: ignore[index]
             place = files.get(key, (where, 0))[0]
             raise CheckpointError(f"{key!r} in the checkpoint's file {place!r} does not hold "
                                   f"the bytes saved (its checksum differs): the file is damaged")
