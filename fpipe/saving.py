@@ -156,7 +156,8 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     dict of numbers or tensors). Replicated: ranks that save a name must hold equal values
     (checked; it is written once). ``rng=True``: this rank's random generators too (torch's
     CPU one, each CUDA device's, Python's ``random``, numpy's), per rank. Every check runs
-    before anything is written.
+    before anything is written; a value that is not a tensor must be data, what
+    ``torch.load(weights_only=True)`` reads back (else a ``TypeError`` naming it).
     """
     _located(directory, storage_writer, "storage_writer")
     dcp = _dcp(process_group)
@@ -307,7 +308,9 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     the dict by the saved one. A name the checkpoint lacks is a ``KeyError`` naming it.
     ``rng=True``: this rank's random generators are set to those its rank number saved.
     Nothing is written, into ``params``, the optimiser or ``extra``, until every part was read
-    and checked on every rank.
+    and checked on every rank: every entry against its checksum, objects read as data only
+    (as ``torch.load(weights_only=True)`` reads); a refusal on any rank is raised alike on
+    every rank (one :class:`fpipe.errors.CheckpointError` naming the rank).
     """
     reader = _reader(directory, storage_reader)
     metadata = agreed(lambda: _metadata(reader, directory), process_group)
@@ -371,12 +374,12 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
     # torch reads the optimiser in the layout it asks for: the one the checkpoint has.
     nested = saved_groups.nested_groups(saved_groups.entries(held, f"{_OPTIM}."))
     options = StateDictOptions(flatten_optimizer_state_dict=not nested)
+    # torch's get_state_dict gives a new optimiser a state (a step with zero gradients):
+    # taken back if the load is refused, so a refusal leaves the optimiser as it was.
+    fresh_optimizer = optimizer is not None and not optimizer.state
     if optimizer is None:
         state_dict = {_MODEL: get_model_state_dict(module, options=options)}
     else:
-        # torch's get_state_dict gives a new optimiser state (a step with zero gradients):
-        # taken back if the load is refused, so a refusal leaves the optimiser as it was.
-        fresh_optimizer = not optimizer.state
         model, optim = get_state_dict(module, optimizer, options=options)
         state_dict = {_MODEL: model, _OPTIM: optim}
     try:  # read into new tensors, checked whole, before torch copies them into the module
@@ -387,8 +390,8 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
                                       saved_groups.module_hyper(state_dict[_OPTIM],
                                                                 bool(nested)))
     except BaseException:
-        if optimizer is not None and fresh_optimizer:
-            optimizer.state.clear()
+        if fresh_optimizer:
+            optimizer.state.clear()  # type: ignore[union-attr]
         raise
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)

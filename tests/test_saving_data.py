@@ -271,3 +271,21 @@ def test_a_metadata_file_that_would_run_code_is_refused_and_not_run(saved, face)
     assert not touched.exists()
     assert str(error).startswith(f"the checkpoint's metadata {path!r} is not data: reading "
                                  f"it would call pathlib.Path.touch"), error
+
+
+def test_a_checkpoint_whose_sums_are_of_tensors_alone_still_loads(tmp_path):
+    """fpipe's earlier checkpoints summed their tensors only: their tensors are checked,
+    their objects read as data."""
+    from fpipe._runtime.ranks.intact import checksum
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64, dtype=torch.float64)
+    dcp.save({"model": {"w": weight}, "extra": {"step": 3},
+              "fpipe_checksums": {"model.w": checksum(weight)}}, checkpoint_id=tmp_path,
+             no_dist=True)
+    params, extra = [{"w": torch.zeros(64, 64, dtype=torch.float64)}], {"step": 0}
+    saving.load(tmp_path, params, extra=extra)
+    assert torch.equal(params[0]["w"], weight) and extra == {"step": 3}
+    noise(tmp_path, "model.w")
+    with pytest.raises(CheckpointError, match="'model.w' in the checkpoint's file .* checksum"):
+        saving.load(tmp_path, params, extra=extra)

@@ -5,9 +5,10 @@ leave a model half loaded, or loaded with wrong bytes and no error. fpipe's chec
 checksum of every entry (``fpipe_checksums.<key>``, written by ``save``: CRC-32 of a tensor's
 bytes, or of a non-tensor value's canonical text, :mod:`fpipe._runtime.ranks.entries`); a load
 reads into new tensors and objects (the objects as data only), checks the files are there and
-long enough, checks every checksum, and only then copies into the caller's tensors. On several ranks each check
-ends in an agreement (one gather of objects): a problem on any rank is raised on every rank,
-so none writes while another refuses, and none waits in a collective the others left.
+long enough, checks every checksum, and only then copies into the caller's tensors. On
+several ranks each check ends in an agreement (one gather of objects): a problem on any rank
+is raised alike on every rank, so none writes while another refuses, and none waits in a
+collective the others left.
 
 A checkpoint without checksums (written by plain ``torch.distributed.checkpoint``) is read
 and checked for keys, shapes and dtypes only (and its objects read as data only).
@@ -29,8 +30,8 @@ from fpipe._runtime.ranks.entries import digest, flat, refusal
 from fpipe._runtime.ranks.gather import all_gather_objects
 from fpipe.errors import CheckpointError
 
-__all__ = ["SUMS", "checksum", "entry_sum", "checksums", "dotted", "fresh", "files_whole", "sums_request",
-           "verify", "agreed", "read_failure"]
+__all__ = ["SUMS", "checksum", "entry_sum", "checksums", "dotted", "fresh", "files_whole",
+           "sums_request", "verify", "agreed", "read_failure"]
 
 #: The top-level key under which a checkpoint's checksums are written, one per tensor key.
 SUMS = "fpipe_checksums"
@@ -107,15 +108,22 @@ def files_whole(metadata: Any, reader: Any) -> None:
 
 def sums_request(held: dict[str, Any], keys: list[str]) -> dict[str, None] | None:
     """The checksums to read for ``keys`` (``None`` for a checkpoint without any); a key
-    without one in a checkpoint that has them is damage."""
+    without one in a checkpoint that has them is damage. (Earlier fpipe checkpoints summed tensors
+    alone: a checkpoint whose sums are all of tensors has its tensors checked.)"""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     prefix = f"{SUMS}."
-    if not any(name.startswith(prefix) for name in held):
+    summed = {name[len(prefix):] for name in held if name.startswith(prefix)}
+    if not summed:
         return None
-    missing = [key for key in keys if prefix + key not in held]
+    objects_too = any(not isinstance(held.get(key), TensorStorageMetadata) for key in summed)
+    wanted = [key for key in keys
+              if objects_too or isinstance(held.get(key), TensorStorageMetadata)]
+    missing = [key for key in wanted if key not in summed]
     if missing:
         raise CheckpointError(f"the checkpoint has no checksum for {missing[:3]}: its metadata "
                               f"does not match what was saved")
-    return dict.fromkeys(keys)
+    return dict.fromkeys(wanted)
 
 
 def verify(read: dict[str, Any], refused: dict[str, BaseException], saved: dict[str, int] | None,
@@ -124,7 +132,8 @@ def verify(read: dict[str, Any], refused: dict[str, BaseException], saved: dict[
     as data (``refused``: key -> the unpickler's error, then its cause; the checksums first)
     or whose checksum is not the one saved. Every sum is taken before anything is raised (a
     ``DTensor``'s is a collective its replicas all reach)."""
-    sums = {key: entry_sum(value) for key, value in sorted(read.items())} if saved else {}
+    sums = {key: entry_sum(value) for key, value in sorted(read.items())
+            if saved and key in saved}
     files = _files(metadata, reader)
     for key in sorted(refused, key=lambda k: (not k.startswith(f"{SUMS}."), k)):
         place = files.get(key, (where, 0))[0]
