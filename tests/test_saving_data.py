@@ -289,3 +289,25 @@ def test_a_checkpoint_whose_sums_are_of_tensors_alone_still_loads(tmp_path):
     noise(tmp_path, "model.w")
     with pytest.raises(CheckpointError, match="'model.w' in the checkpoint's file .* checksum"):
         saving.load(tmp_path, params, extra=extra)
+
+
+class Position:
+    """A user type, data once given to ``torch.serialization.safe_globals``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+
+def test_a_type_given_to_torch_s_safe_globals_is_data_and_only_then(tmp_path):
+    s, _, _ = run()
+    with torch.serialization.safe_globals([Position]):
+        saving.save(tmp_path, s.params, extra={"position": Position(5)})
+        got = {"position": None}
+        saving.load(tmp_path, s.params, extra=got)
+    assert type(got["position"]) is Position and got["position"].at == 5
+    got = {"position": None}
+    with pytest.raises(CheckpointError, match=r"'extra.position' in the checkpoint's file .* "
+                                              r"is not data: reading it would call "
+                                              r"test_saving_data.Position"):
+        saving.load(tmp_path, s.params, extra=got)
+    assert got == {"position": None}

@@ -11,8 +11,8 @@ nothing that calls a function. What it refuses is recorded, not raised inside DC
 load can name the entry and its file and refuse it on every rank alike; ``save`` refuses
 such a value before anything is written, since no load would read it.
 
-Every entry also has a checksum (:func:`checksum` of its value, so equal for the value
-saved and the value read back), written beside the tensors' by ``save``.
+Every entry also has a checksum (:func:`digest` of its value, so equal for the value saved
+and the value read back), written beside the tensors' by ``save``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def _canonical(value: Any, tensor_sum: Any) -> str:
         inner = ",".join(_canonical(v, tensor_sum) for v in value)
     elif isinstance(value, (set, frozenset)):
         inner = ",".join(sorted(_canonical(v, tensor_sum) for v in value))
+    elif type(value).__repr__ is object.__repr__ and hasattr(value, "__dict__"):
+        inner = _canonical(vars(value), tensor_sum)  # an allowed class: not by its address
     else:
         inner = repr(value)
     return f"{kind}({inner})"
@@ -76,9 +78,9 @@ def plain_data(key: str, value: Any) -> None:
     if _obviously_data(value):
         return
     buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
     try:
+        torch.save(value, buffer)
+        buffer.seek(0)
         torch.load(buffer, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - named below, torch's words as the cause
         raise TypeError(f"{key} is a {type(value).__name__}, not data: a checkpoint holds "
