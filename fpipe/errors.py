@@ -116,6 +116,7 @@ class PeerError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be loaded whole (a file missing, cut short or with bytes other
-    than those saved, a failure on another rank): nothing was written into the caller's
-    tensors or optimiser. The message names the file. (DCP's own ``CheckpointException``
-    derives from ``BaseException``; fpipe raises this instead, from it.)"""
+    than those saved, an entry that is not data, a refusal on another rank): nothing was
+    written into the caller's tensors or optimiser. The message names the file. (DCP's own
+    ``CheckpointException`` derives from ``BaseException``; fpipe raises this instead, from
+    it.)"""

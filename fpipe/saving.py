@@ -39,12 +39,12 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fpipe._runtime.ranks import saved_groups, teardown, training_state
+from fpipe._runtime.ranks import entries, saved_groups, teardown, training_state
+from fpipe._runtime.ranks import metadata as safe_metadata
 from fpipe._runtime.ranks.intact import (
     SUMS,
     agreed,
     checksums,
-    dotted,
     files_whole,
     fresh,
     read_failure,
@@ -60,6 +60,7 @@ from fpipe._runtime.ranks.saved_optimizer import (
     state_request,
 )
 from fpipe._runtime.trees import leaf_names, stage_items
+from fpipe.errors import CheckpointError
 
 __all__ = ["save", "load", "load_module", "names"]
 
@@ -128,10 +129,6 @@ def _names_of(rename: Any, stage: int) -> Mapping[str, str]:
         raise KeyError(f"names has no entry for stage {stage}") from None
 
 
-
-
-
-
 def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
          state: Sequence[Any] | Mapping[int, Any] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None,
@@ -159,7 +156,8 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     dict of numbers or tensors). Replicated: ranks that save a name must hold equal values
     (checked; it is written once). ``rng=True``: this rank's random generators too (torch's
     CPU one, each CUDA device's, Python's ``random``, numpy's), per rank. Every check runs
-    before anything is written.
+    before anything is written; a value that is not a tensor must be data, what
+    ``torch.load(weights_only=True)`` reads back (else a ``TypeError`` naming it).
     """
     _located(directory, storage_writer, "storage_writer")
     dcp = _dcp(process_group)
@@ -169,11 +167,13 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     if optimizer is not None:
         state_dict[_OPTIM] = flat_optimizer(optimizer, optimizer_names(optimizer, model))
     training_state.add(state_dict, extra, rng, process_group)
+    agreed(lambda: [entries.plain_data(key, value) for key, value in
+                    entries.flat(state_dict).items() if not isinstance(value, torch.Tensor)],
+           process_group, "save")
     state_dict[SUMS] = checksums(state_dict)
     with _quiet():
         dcp.save(state_dict, checkpoint_id=directory, storage_writer=storage_writer,
                  process_group=process_group)
-
 
 
 @contextlib.contextmanager
@@ -196,10 +196,12 @@ def _located(directory: str | os.PathLike | None, storage: Any, argument: str) -
 
 def _reader(directory: str | os.PathLike | None, storage_reader: Any) -> Any:
     """The DCP reader the metadata check and the read both use: the one given, reset to
-    ``directory`` as ``dcp.load`` resets it (when given), else a ``FileSystemReader``."""
+    ``directory`` as ``dcp.load`` resets it (when given), else a ``FileSystemReader`` that
+    reads ``.metadata`` as data only (:mod:`fpipe._runtime.ranks.metadata`)."""
     _located(directory, storage_reader, "storage_reader")
     if storage_reader is None:
-        return _dcp().FileSystemReader(directory)
+        _dcp()
+        return safe_metadata.reader(directory)
     if directory is not None:
         storage_reader.reset(directory)
     return storage_reader
@@ -219,18 +221,27 @@ def _metadata(reader: Any, directory: str | os.PathLike | None) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint in {_where(reader, directory)!r} (DCP's "
                                 f".metadata is missing)") from None
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any damage: named, the reader's error its cause
+        root = getattr(reader, "path", None)
+        place = _where(reader, directory) if root is None else os.path.join(root, ".metadata")
+        raise CheckpointError(f"the checkpoint's metadata {os.fspath(place)!r} is damaged: it "
+                              f"does not read as DCP's Metadata ({type(exc).__name__})"
+                              ) from exc
 
 
 def _dcp_load(request: dict, metadata: Any, directory: Any, reader: Any,
-              process_group: Any = None) -> None:
-    """``dcp.load``, its failures (``CheckpointException`` derives from ``BaseException``)
-    raised as :class:`fpipe.errors.CheckpointError`, naming the files it read."""
+              process_group: Any, planner: Any) -> None:
+    """``dcp.load`` (objects read as data by ``planner``), its failures
+    (``CheckpointException`` derives from ``BaseException``) raised as
+    :class:`fpipe.errors.CheckpointError`, naming the files it read."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     with torch.no_grad(), _quiet():
         try:
             _dcp(process_group).load(request, checkpoint_id=directory, storage_reader=reader,
-                                     process_group=process_group)
+                                     process_group=process_group, planner=planner)
         except (CheckpointException, Exception) as exc:
             keys = [".".join(map(str, path)) for path in
                     optree.tree_paths(request, none_is_leaf=True)]
@@ -240,16 +251,18 @@ def _dcp_load(request: dict, metadata: Any, directory: Any, reader: Any,
 
 def _read_checked(request: dict, metadata: Any, directory: Any, reader: Any,
                   process_group: Any) -> dict:
-    """``request`` (new tensors and placeholders) read, with the checksums of its tensors,
-    and checked against them on every rank before anything is returned."""
+    """``request`` (new tensors and placeholders) read, objects as data only, with the
+    checksums of its entries, and checked against them on every rank before anything is
+    returned."""
     held = metadata.state_dict_metadata
-    sums = agreed(lambda: sums_request(held, list(dotted(request))), process_group)
+    sums = agreed(lambda: sums_request(held, list(entries.flat(request))), process_group)
     if sums is not None:
         request = {**request, SUMS: sums}
-    _dcp_load(request, metadata, directory, reader, process_group)
-    agreed(lambda: verify(dotted({k: v for k, v in request.items() if k != SUMS}),
-                          request.get(SUMS), metadata, reader, _where(reader, directory)),
-           process_group)
+    planner = entries.planner()
+    _dcp_load(request, metadata, directory, reader, process_group, planner)
+    agreed(lambda: verify(entries.flat({k: v for k, v in request.items() if k != SUMS}),
+                          planner.refused, request.get(SUMS), metadata, reader,
+                          _where(reader, directory)), process_group)
     return request
 
 
@@ -262,14 +275,6 @@ def _check_model(model: dict[str, tuple[int, torch.Tensor]], held: dict[str, Any
         if shape != tuple(leaf.shape) or dtype != leaf.dtype:
             raise ValueError(f"{name!r} (stage {stage}) is {shape} {dtype} in the checkpoint "
                              f"but {tuple(leaf.shape)} {leaf.dtype} here")
-
-
-
-
-
-
-
-
 
 
 def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[int, Any],
@@ -303,34 +308,43 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     the dict by the saved one. A name the checkpoint lacks is a ``KeyError`` naming it.
     ``rng=True``: this rank's random generators are set to those its rank number saved.
     Nothing is written, into ``params``, the optimiser or ``extra``, until every part was read
-    and checked on every rank.
+    and checked on every rank: every entry against its checksum, objects read as data only
+    (as ``torch.load(weights_only=True)`` reads); a refusal on any rank is raised alike on
+    every rank (one :class:`fpipe.errors.CheckpointError` naming the rank).
     """
     reader = _reader(directory, storage_reader)
-    metadata = _metadata(reader, directory)
+    metadata = agreed(lambda: _metadata(reader, directory), process_group)
     held = metadata.state_dict_metadata
-    model = _model_names(params, state, names)
-    more = agreed(lambda: (_check_model(model, held), files_whole(metadata, reader),
-                           training_state.request(extra, rng, held, process_group))[-1],
-                  process_group)
 
-    def read(entries: dict[str, Any]) -> Any:
-        """One ``dcp.load`` (collective) of optimiser entries (hyper-parameters)."""
-        request = {_OPTIM: entries}
-        _dcp_load(request, metadata, directory, reader, process_group)
-        return request[_OPTIM]
+    def check() -> tuple:
+        model = _model_names(params, state, names)
+        _check_model(model, held)
+        files_whole(metadata, reader)
+        order = None if optimizer is None else optimizer_names(optimizer, model)
+        return model, order, training_state.request(extra, rng, held, process_group)
+
+    # Every refusal, on any rank, is agreed (raised alike on every rank) before the next read.
+    model, order, more = agreed(check, process_group)
+
+    def read(wanted: dict[str, Any]) -> Any:
+        """One checked ``dcp.load`` (collective) of optimiser entries (hyper-parameters)."""
+        return _read_checked({_OPTIM: wanted}, metadata, directory, reader,
+                             process_group)[_OPTIM]
 
     request: dict[str, Any] = {_MODEL: {name: torch.empty_like(leaf)
                                         for name, (_, leaf) in model.items()}}
     if optimizer is not None:
-        order, hyper = hyper_parameters(read, optimizer, optimizer_names(optimizer, model),
-                                         held, ties, names)
+        order, hyper = hyper_parameters(read, lambda check: agreed(check, process_group),
+                                        optimizer, order, held, ties, names)
         request[_OPTIM] = state_request(order, held)
     got = _read_checked({**request, **more}, metadata, directory, reader, process_group)
+    optim = None if optimizer is None else agreed(
+        lambda: optimizer_state_dict(optimizer, order, got[_OPTIM], hyper), process_group)
     with torch.no_grad():  # all read and checked on every rank: now written
         for name, (_, leaf) in model.items():
             leaf.copy_(got[_MODEL][name])
     if optimizer is not None:
-        optimizer.load_state_dict(optimizer_state_dict(optimizer, order, got[_OPTIM], hyper))
+        optimizer.load_state_dict(optim)
     training_state.put(extra, got)
     return params if state is None else (params, state)
 
@@ -360,14 +374,25 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
     # torch reads the optimiser in the layout it asks for: the one the checkpoint has.
     nested = saved_groups.nested_groups(saved_groups.entries(held, f"{_OPTIM}."))
     options = StateDictOptions(flatten_optimizer_state_dict=not nested)
+    # torch's get_state_dict gives a new optimiser a state (a step with zero gradients):
+    # taken back if the load is refused, so a refusal leaves the optimiser as it was.
+    fresh_optimizer = optimizer is not None and not optimizer.state
     if optimizer is None:
         state_dict = {_MODEL: get_model_state_dict(module, options=options)}
     else:
         model, optim = get_state_dict(module, optimizer, options=options)
         state_dict = {_MODEL: model, _OPTIM: optim}
-    # Read into new tensors, checked whole, before torch copies them into the module.
-    state_dict = _read_checked({**fresh(state_dict), **more}, metadata, directory, reader,
-                               None)
+    try:  # read into new tensors, checked whole, before torch copies them into the module
+        state_dict = _read_checked({**fresh(state_dict), **more}, metadata, directory,
+                                   reader, None)
+        if optimizer is not None:  # refused as load refuses it: one value of two is lost
+            saved_groups.check_groups(optimizer, saved_groups.module_order(module, optimizer),
+                                      saved_groups.module_hyper(state_dict[_OPTIM],
+                                                                bool(nested)))
+    except BaseException:
+        if fresh_optimizer:
+            optimizer.state.clear()  # type: ignore[union-attr]
+        raise
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)
     training_state.put(extra, state_dict)

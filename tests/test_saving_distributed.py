@@ -115,3 +115,66 @@ def test_a_damaged_tensor_on_one_rank_loads_nothing_on_any(tmp_path, monkeypatch
         assert info.relative_path in message, message
         if rank == 0:
             assert "rank 1 could not load the checkpoint, so no rank did" in message
+
+
+def _damage_entry(directory, key: str, old: bytes, new: bytes) -> str:
+    storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    (info,) = [s for i, s in storage.items() if i.fqn == key]
+    path = directory / info.relative_path
+    with open(path, "r+b") as file:
+        file.seek(info.offset)
+        data = file.read(info.length)
+        assert data.count(old) == 1, key
+        file.seek(info.offset + data.index(old))
+        file.write(new)
+    return info.relative_path
+
+
+def test_the_saved_groups_resume_on_2_ranks(tmp_path, monkeypatch):
+    """The checkpoint the two tests below damage or mismatch, loaded as saved."""
+    monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
+    ranks("damage_ranks:save_grouped", 2)
+    for result in ranks("damage_ranks:load_grouped", 2):
+        assert result["error"] is None and not result["untouched"], result
+        assert (result["step"], result["last_epoch"]) == (3, 3)
+
+
+@pytest.mark.parametrize(("key", "old", "new"), [("extra.step", b"K\x03.", b"K\x09."),
+                                                 ("extra.scheduler.last_epoch", b"K\x03.",
+                                                  b"K\x00.")])
+def test_a_changed_step_or_scheduler_value_loads_nothing_on_any_rank(tmp_path, monkeypatch,
+                                                                      key, old, new):
+    """One byte of a replicated non-tensor entry changed (step 3 to 9, last_epoch 3 to 0):
+    before, both ranks loaded it without a word."""
+    monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
+    ranks("damage_ranks:save_grouped", 2)
+    file = _damage_entry(tmp_path, key, old, new)
+    results = ranks("damage_ranks:load_grouped", 2)
+    for result in results:
+        kind, message = result["error"]
+        assert kind == "CheckpointError", result
+        assert f"{key!r}" in message and file in message, message
+        assert result["untouched"] and result["optimizer_state"] == 0, result
+        assert (result["step"], result["last_epoch"]) == (0, 0), result
+    assert results[0]["error"] == results[1]["error"]  # raised alike
+
+
+def test_a_group_mismatch_on_one_rank_is_one_error_on_every_rank(tmp_path, monkeypatch):
+    """Saved with decay / no-decay groups, loaded into one group: only rank 1 holds a bias.
+    Every rank raises the same CheckpointError naming the group and the rank, and nothing is
+    written. Before, rank 1 raised ValueError and rank 0 died in gloo ("Connection closed by
+    peer"), or would have waited forever."""
+    monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
+    monkeypatch.setenv("FPIPE_ONE_GROUP", "1")
+    ranks("damage_ranks:save_grouped", 2)
+    results = ranks("damage_ranks:load_grouped", 2)
+    for result in results:
+        kind, message = result["error"]
+        assert kind == "CheckpointError", result
+        assert message.startswith("rank 1 could not load the checkpoint, so no rank did: "
+                                  "ValueError: the optimizer's parameter group 0 holds "
+                                  "'layer1.w' and 'layer1.b', saved with initial_lr=0.01 and "
+                                  "0.03"), message
+        assert result["untouched"] and result["optimizer_state"] == 0, result
+        assert (result["step"], result["last_epoch"]) == (0, 0), result
+    assert results[0]["error"] == results[1]["error"]

@@ -7,6 +7,7 @@ between ranks (``p2p``), the build's gather and the fingerprint ranks must agree
 (``gather``, ``agreement``), the lockstep driver and its calls (``driver``, ``calls``,
 ``inputs``), what makes one rank's step the job's (``results``, ``data_parallel``,
 ``tie_groups``), how a failure reaches every rank (``faults``, ``teardown``) and what
-``fpipe.saving`` needs from ranks (``intact``, ``saved_groups``). Nothing here is imported by
+``fpipe.saving`` needs (``intact``, ``entries``, ``metadata``, ``saved_groups``,
+``saved_optimizer``, ``training_state``). Nothing here is imported by
 the local engine; it imports from it.
 """

@@ -2,14 +2,16 @@
 
 DCP reads into the tensors it is given, so a shard cut short, deleted or overwritten would
 leave a model half loaded, or loaded with wrong bytes and no error. fpipe's checkpoints carry a
-checksum of every tensor (``fpipe_checksums.<key>``: CRC-32 of its bytes, written by
-``save``); a load reads into new tensors, checks the files are there and long enough, checks
-every checksum, and only then copies into the caller's tensors. On several ranks each check
-ends in an agreement (one gather of objects): a problem on any rank is raised on every rank,
-so none writes while another refuses, and none waits in a collective the others left.
+checksum of every entry (``fpipe_checksums.<key>``, written by ``save``: CRC-32 of a tensor's
+bytes, or of a non-tensor value's canonical text, :mod:`fpipe._runtime.ranks.entries`); a load
+reads into new tensors and objects (the objects as data only), checks the files are there and
+long enough, checks every checksum, and only then copies into the caller's tensors. On
+several ranks each check ends in an agreement (one gather of objects): a problem on any rank
+is raised alike on every rank, so none writes while another refuses, and none waits in a
+collective the others left.
 
 A checkpoint without checksums (written by plain ``torch.distributed.checkpoint``) is read
-and checked for keys, shapes and dtypes only.
+and checked for keys, shapes and dtypes only (and its objects read as data only).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fpipe._runtime.ranks.entries import digest, flat, refusal
 from fpipe._runtime.ranks.gather import all_gather_objects
 from fpipe.errors import CheckpointError
 
-__all__ = ["SUMS", "checksum", "checksums", "dotted", "fresh", "files_whole", "sums_request",
-           "verify", "agreed", "read_failure"]
+__all__ = ["SUMS", "checksum", "entry_sum", "checksums", "dotted", "fresh", "files_whole",
+           "sums_request", "verify", "agreed", "read_failure"]
 
 #: The top-level key under which a checkpoint's checksums are written, one per tensor key.
 SUMS = "fpipe_checksums"
@@ -55,9 +58,15 @@ def dotted(state_dict: dict) -> dict[str, torch.Tensor]:
             if isinstance(leaf, torch.Tensor)}
 
 
+def entry_sum(value: Any) -> int:
+    """The checksum of one entry: :func:`checksum` of a tensor, else the value's digest."""
+    return checksum(value) if isinstance(value, torch.Tensor) else digest(value, checksum)
+
+
 def checksums(state_dict: dict) -> dict[str, int]:
-    """What ``save`` writes under :data:`SUMS`: each tensor's DCP key -> its checksum."""
-    return {key: checksum(tensor) for key, tensor in dotted(state_dict).items()}
+    """What ``save`` writes under :data:`SUMS`: each entry's DCP key -> its checksum (in key
+    order: a ``DTensor``'s sum is a collective, which replicas reach in one order)."""
+    return {key: entry_sum(value) for key, value in sorted(flat(state_dict).items())}
 
 
 def fresh(tree: Any) -> Any:
@@ -99,26 +108,38 @@ def files_whole(metadata: Any, reader: Any) -> None:
 
 def sums_request(held: dict[str, Any], keys: list[str]) -> dict[str, None] | None:
     """The checksums to read for ``keys`` (``None`` for a checkpoint without any); a key
-    without one in a checkpoint that has them is damage."""
+    without one in a checkpoint that has them is damage. (Earlier fpipe checkpoints summed tensors
+    alone: a checkpoint whose sums are all of tensors has its tensors checked.)"""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     prefix = f"{SUMS}."
-    if not any(name.startswith(prefix) for name in held):
+    summed = {name[len(prefix):] for name in held if name.startswith(prefix)}
+    if not summed:
         return None
-    missing = [key for key in keys if prefix + key not in held]
+    objects_too = any(not isinstance(held.get(key), TensorStorageMetadata) for key in summed)
+    wanted = [key for key in keys
+              if objects_too or isinstance(held.get(key), TensorStorageMetadata)]
+    missing = [key for key in wanted if key not in summed]
     if missing:
         raise CheckpointError(f"the checkpoint has no checksum for {missing[:3]}: its metadata "
                               f"does not match what was saved")
-    return dict.fromkeys(keys)
+    return dict.fromkeys(wanted)
 
 
-def verify(read: dict[str, torch.Tensor], saved: dict[str, int] | None, metadata: Any,
-           reader: Any, where: str) -> None:
-    """Raise :class:`CheckpointError` naming the file of the first tensor read whose checksum
-    is not the one saved."""
-    if saved is None:
-        return
+def verify(read: dict[str, Any], refused: dict[str, BaseException], saved: dict[str, int] | None,
+           metadata: Any, reader: Any, where: str) -> None:
+    """Raise :class:`CheckpointError` naming the first entry, and its file, that was not read
+    as data (``refused``: key -> the unpickler's error, then its cause; the checksums first)
+    or whose checksum is not the one saved. Every sum is taken before anything is raised (a
+    ``DTensor``'s is a collective its replicas all reach)."""
+    sums = {key: entry_sum(value) for key, value in sorted(read.items())
+            if saved and key in saved}
     files = _files(metadata, reader)
-    for key, tensor in read.items():
-        if checksum(tensor) != saved[key]:
+    for key in sorted(refused, key=lambda k: (not k.startswith(f"{SUMS}."), k)):
+        place = files.get(key, (where, 0))[0]
+        raise CheckpointError(refusal(key, refused[key], place)) from refused[key]
+    for key, value in sums.items():
+        if value != saved[key]:  # type: ignore[index]
             place = files.get(key, (where, 0))[0]
             raise CheckpointError(f"{key!r} in the checkpoint's file {place!r} does not hold "
                                   f"the bytes saved (its checksum differs): the file is damaged")
@@ -132,13 +153,15 @@ def read_failure(error: BaseException, where: str, metadata: Any, reader: Any,
     held = sorted({files[key][0] for key in keys if key in files})
     named = f" from {', '.join(map(repr, held[:4]))}{' ...' if len(held) > 4 else ''}"
     return CheckpointError(f"reading the checkpoint in {where!r}{named if held else ''} "
-                           f"failed: {error}")
+                           f"failed in torch.distributed.checkpoint ({type(error).__name__}; "
+                           f"its report is this error's cause)")
 
 
-def agreed(check: Callable[[], Any], group: Any) -> Any:
+def agreed(check: Callable[[], Any], group: Any, doing: str = "load") -> Any:
     """``check()`` on every rank of ``group`` (a process group; ``None``: the world, when
-    one is initialised), its failure raised on every rank: on its own as itself, on the others
-    as a :class:`CheckpointError` naming the rank and what it raised."""
+    one is initialised), a failure raised alike on every rank: one :class:`CheckpointError`
+    naming the first rank that failed and what it raised (on that rank, from it). Alone, a
+    failure is raised as itself. ``doing``: ``"load"`` or ``"save"``, for the message."""
     try:
         result, failure = check(), None
     except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised
@@ -147,13 +170,16 @@ def agreed(check: Callable[[], Any], group: Any) -> Any:
         if failure is not None:
             raise failure
         return result
-    said = None if failure is None else f"{type(failure).__name__}: {failure}"
+    said = None if failure is None else f"{type(failure).__name__}: {_text(failure)}"
     everyone = all_gather_objects(said, group=group)
-    if failure is not None:
-        raise failure
     ranks = dist.get_process_group_ranks(group) if group is not None else range(len(everyone))
     for rank, theirs in zip(ranks, everyone):
         if theirs is not None:
-            raise CheckpointError(f"rank {rank} could not load the checkpoint, so no rank "
-                                  f"did: {theirs}")
+            raise CheckpointError(f"rank {rank} could not {doing} the checkpoint, so no rank "
+                                  f"did: {theirs}") from failure
     return result
+
+
+def _text(error: BaseException) -> str:
+    """An error's message (a ``KeyError``'s without the quotes ``str`` adds)."""
+    return error.args[0] if isinstance(error, KeyError) and len(error.args) == 1 else str(error)

@@ -76,6 +76,24 @@ def by_name(values: dict[str, Any], nested: bool) -> dict[str, dict[str, Any]]:
     return result
 
 
+def module_hyper(optim: dict[str, Any], nested: bool) -> dict[str, dict[str, Any]]:
+    """Each parameter's hyper-parameters in an optimiser state dict read as torch's
+    ``get_state_dict`` lays it out (``load_module``): flat, or nested with ``param_groups``
+    a list of groups that list their names."""
+    if not nested:
+        return by_name({k: v for k, v in optim.items() if k.startswith("param_groups.")},
+                       False)
+    return {name: {k: v for k, v in group.items() if k != "params"}
+            for group in optim.get("param_groups", []) for name in group["params"]}
+
+
+def module_order(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The module's name of each parameter ``optimizer`` holds, in its groups' order."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    return [name_of.get(id(p), "") for group in optimizer.param_groups
+            for p in group["params"]]
+
+
 def check_groups(optimizer: torch.optim.Optimizer, order: list[str],
                  hyper: dict[str, dict[str, Any]]) -> None:
     """Refuse an optimiser group whose parameters were saved with different hyper-parameters
@@ -86,6 +104,8 @@ def check_groups(optimizer: torch.optim.Optimizer, order: list[str],
         group_names = order[i:i + len(group["params"])]
         i += len(group["params"])
         for name in group_names[1:]:
+            if group_names[0] not in hyper or name not in hyper:
+                continue  # not saved under this name (a tie's other copy): torch's to say
             first, this = hyper[group_names[0]], hyper[name]
             for key in sorted(first.keys() | this.keys()):
                 if not _same(first.get(key), this.get(key)):

@@ -63,28 +63,36 @@ def state_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def hyper_parameters(read: Any, optimizer: torch.optim.Optimizer, order: list[str],
-                      held: dict[str, Any], ties: Any,
-                      rename: Any) -> tuple[list[str], dict[str, dict[str, Any]]]:
+def hyper_parameters(read: Any, agree: Any, optimizer: torch.optim.Optimizer,
+                     order: list[str], held: dict[str, Any], ties: Any,
+                     rename: Any) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Each parameter's saved hyper-parameters, from either layout (read before any tensor:
     only a nested checkpoint's groups say which names they hold), and ``order`` with each
     tied name the checkpoint lacks replaced by its tie's. Raises, before the tensors are
-    read, for a name without any, and for a group of ``optimizer`` mixing values."""
+    read, for a name without any, and for a group of ``optimizer`` mixing values.
+
+    ``read(entries)`` reads (collective: every rank calls it as often, in the same order);
+    ``agree(check)`` runs a check whose failure every rank raises alike, so a refusal on one
+    rank (the one holding a bias) never leaves the others in a read it left."""
     groups = saved_groups.entries(held, f"{OPTIM}.")
     nested = bool(saved_groups.nested_groups(groups))
     if nested:
-        hyper = saved_groups.by_name(read(saved_groups.request(groups, True, set())), True)
+        values = read(saved_groups.request(groups, True, set()))
+        hyper = agree(lambda: saved_groups.by_name(values, True))
     known = set(hyper) if nested else saved_groups.flat_names(groups)
-    order = _tie_sources(order, ties, rename, known)
+    order = agree(lambda: _known(_tie_sources(order, ties, rename, known), known))
+    if not nested:
+        values = read(saved_groups.request(groups, False, set(order)))
+        hyper = agree(lambda: saved_groups.by_name(values, False))
+    agree(lambda: saved_groups.check_groups(optimizer, order, hyper))
+    return order, hyper
+
+
+def _known(order: list[str], known: set[str]) -> list[str]:
     for name in order:
         if name not in known:
             raise KeyError(f"the checkpoint holds no optimizer state for {name!r}")
-    if not nested:
-        hyper = saved_groups.by_name(read(saved_groups.request(groups, False, set(order))),
-                                     False)
-    saved_groups.check_groups(optimizer, order, hyper)
-    return order, hyper
-
+    return order
 
 
 def _tie_sources(order: list[str], ties: Any, rename: Any, known: set[str]) -> list[str]:
