@@ -751,6 +751,10 @@ def ties(rank: int, world: int) -> dict:
         apart["head.weight"] = apart["head.weight"].clone()
         apart["head.weight"][2, 1] += 1e-12
     out["apart"] = _outcome(build, apart, tie)
+    frozen = dict(full[rank])
+    if rank == 1:  # the head's copy frozen, the embedding's trained: no step may run
+        frozen["head.weight"] = torch.nn.Parameter(frozen["head.weight"], requires_grad=False)
+    out["frozen"] = _outcome(build, frozen, tie)
     return out
 
 
