@@ -252,6 +252,17 @@ MUTANTS = (
            "self._bucket(group, members, [t for t, s in enumerate(spans) if s == span])",
            "None",
            ("tests/test_ties.py::test_distributed_ties",)),
+    Mutant("accumulated calls' gradients not weighted by the replica's share",
+           "_runtime/ranks/accumulate.py",
+           "self.add(sums, held, replica.share if replica is not None and replica.weighted "
+           "else 1.0)", "self.add(sums, held, 1.0)",
+           ("tests/test_data_parallel.py::test_accumulated_calls_on_plain_replicas_give_one_"
+            "whole_batch_call_s_gradients",)),
+    Mutant("accumulated gradients not added to plain replicas' last reduction",
+           "_runtime/ranks/data_parallel.py",
+           "carried = None if self.carry is None else self.carry[stage]", "carried = None",
+           ("tests/test_data_parallel.py::test_accumulated_calls_on_plain_replicas_give_one_"
+            "whole_batch_call_s_gradients",)),
     Mutant("a tie's copies frozen on one rank and trained on another not compared",
            "_runtime/ranks/tie_groups.py", '"frozen" if frozen(leaf) else "trained"',
            '"trained"', ("tests/test_ties.py::test_distributed_bad_ties_raise_on_every_rank",)),
