@@ -345,6 +345,10 @@ MUTANTS = (
            "norm = global_norm(grads, ties=ties, group=group)",
            "norm = global_norm(grads, ties=ties)",
            ("tests/test_clipping.py",)),
+    Mutant("a sharded gradient's squares not summed over its shards", "optim.py",
+           "            square = _summed(square, over)", "            pass",
+           ("tests/test_fsdp.py::test_clipping_under_fsdp_by_the_whole_model_s_norm_a_tie_"
+            "counted_once",)),
     Mutant("replicas' parameters not compared at build", "_runtime/ranks/agreement.py",
            "fields = [*a.shared, *(a.held if held else ())]",
            "fields = [*a.shared, *(b.held if held else ())]",

@@ -264,3 +264,41 @@ def train_save_resume(rank: int, world: int) -> dict:
     # Too large for the harness's queue (which is read once every rank has ended): a file.
     torch.save(out, directory / f"rank{rank}.pt")
     return {"saved": True}
+
+
+#: The clipping scenario's threshold: below the first step's norm, so every gradient is scaled.
+MAX_NORM = 0.05
+
+
+def clipped(rank: int, world: int) -> dict:
+    """One step of the tied GPT under FSDP2 on a (2, 2) mesh (1F1B), its gradients clipped
+    by the whole model's norm (``pipe.clip_grad_norm``): the norm and every clipped gradient
+    whole, by the model's name; and ``fpipe.optim.global_norm`` of them after."""
+    from fpipe.optim import global_norm
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    make, n_stages = CASES["1f1b"]
+    schedule = make()
+    gpt = model()
+    s = from_modules(cut(gpt, n_stages), stateful=False, root=gpt)
+    held = fdist.my_stages(schedule, n_stages, mesh=mesh)
+    replica, worker = mesh.get_coordinate()
+    ids, target = batches(0)[0]
+    rows = slice(replica * BATCH // 2, (replica + 1) * BATCH // 2)
+    with fdist.pipeline(s.stages, {h: s.params[h] for h in held}, schedule=schedule,
+                        loss_fn=loss_fn, mesh=mesh, ties=s.ties, shard="fsdp",
+                        timeout=60) as pipe:
+        _, grads = pipe.value_and_grad(ids[rows] if worker == 0 else None,
+                                       target[rows] if worker == 1 else None)
+        grads, norm = pipe.clip_grad_norm(grads, MAX_NORM)
+        after = global_norm(grads, ties=pipe.ties, group=pipe.group)
+        return {"norm": norm, "after": after, "grads": _full(grads, s.names)}
+
+
+def plain_clipped() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`clipped` in the plain module: ``torch.nn.utils.clip_grad_norm_`` (the tied
+    weight one parameter) after one whole-batch backward."""
+    gpt = model()
+    ids, target = batches(0)[0]
+    loss_fn(gpt(ids), target).backward()
+    norm = torch.nn.utils.clip_grad_norm_(gpt.parameters(), MAX_NORM)
+    return norm, {name: p.grad for name, p in gpt.named_parameters(remove_duplicate=False)}

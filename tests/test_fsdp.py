@@ -60,3 +60,26 @@ def test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_plain_module(
         torch.testing.assert_close(torch.tensor(got), torch.tensor(more[2 * STEPS:]), **TIGHT)
         for key, value in gpt.state_dict().items():
             torch.testing.assert_close(value, resumed[key], **TIGHT, msg=f"{name} {key}")
+
+
+def test_clipping_under_fsdp_by_the_whole_model_s_norm_a_tie_counted_once():
+    """``pipe.clip_grad_norm`` of FSDP2-sharded gradients (DTensors) on a (2, 2) mesh, the
+    embedding tied to the head across the pipeline's ranks: the norm and the clipped
+    gradients of ``torch.nn.utils.clip_grad_norm_`` on the plain module (float64)."""
+    from fsdp_ranks import MAX_NORM, plain_clipped
+    results, codes = spawn("fsdp_ranks:clipped", 4, timeout=120)
+    for result in results:
+        assert result is not None and "crash" not in result, result
+    assert codes == [0] * 4
+    norm, grads = plain_clipped()
+    assert norm > MAX_NORM  # so the gradients are scaled
+    whole = {}
+    for result in results:
+        torch.testing.assert_close(result["norm"], norm, rtol=0, atol=1e-12)
+        # the norm clipped to MAX_NORM * norm / (norm + eps), torch's rule (eps = 1e-6)
+        torch.testing.assert_close(result["after"], MAX_NORM * norm / (norm + 1e-6),
+                                   rtol=0, atol=1e-12)
+        whole.update(result["grads"])
+    assert sorted(whole) == sorted(grads)  # the tie under both names
+    for name, grad in grads.items():
+        torch.testing.assert_close(whole[name], grad, rtol=0, atol=1e-12, msg=name)
