@@ -324,7 +324,8 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     if optimizer is not None:
         order, hyper = hyper_parameters(read, optimizer, optimizer_names(optimizer, model),
                                          held, ties, names)
-        request[_OPTIM] = state_request(order, held)
+        held_params = [p for group in optimizer.param_groups for p in group["params"]]
+        request[_OPTIM] = state_request(order, held, dict(zip(order, held_params)))
     got = _read_checked({**request, **more}, metadata, directory, reader, process_group)
     with torch.no_grad():  # all read and checked on every rank: now written
         for name, (_, leaf) in model.items():

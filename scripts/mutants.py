@@ -345,6 +345,11 @@ MUTANTS = (
            "norm = global_norm(grads, ties=ties, group=group)",
            "norm = global_norm(grads, ties=ties)",
            ("tests/test_clipping.py",)),
+    Mutant("optimiser state loaded whole into an FSDP2 pipeline",
+           "_runtime/ranks/saved_optimizer.py",
+           "        return torch.empty_like(param, dtype=empty.dtype)", "        return empty",
+           ("tests/test_fsdp.py::test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_"
+            "plain_module",)),
     Mutant("a sharded gradient's squares not summed over its shards", "optim.py",
            "            square = _summed(square, over)", "            pass",
            ("tests/test_fsdp.py::test_clipping_under_fsdp_by_the_whole_model_s_norm_a_tie_"

@@ -17,6 +17,7 @@ from fsdp_ranks import CASES, DIRECTORY, MORE, STEPS, model, optimiser, plain, p
 from fpipe import saving
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
+EXACT = dict(rtol=1e-12, atol=1e-12)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("numpy") is None,
                                 reason="DCP on several ranks needs numpy (the [saving] extra)")
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numpy") is None,
 def test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_plain_module(tmp_path,
                                                                                  monkeypatch):
     monkeypatch.setenv(DIRECTORY, str(tmp_path))
-    results, codes = spawn("fsdp_ranks:train_save_resume", 4, timeout=240)
+    results, codes = spawn("fsdp_ranks:train_save_resume", 4, timeout=420)
     for result in results:
         assert result is not None and "crash" not in result, result
     assert codes == [0] * 4
@@ -51,6 +52,26 @@ def test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_plain_module(
                                    torch.tensor(more[2 * STEPS:], dtype=torch.float64), **TIGHT)
         for key, value in got["params"].items():
             torch.testing.assert_close(value, resumed[key], **TIGHT, msg=f"{name} {key}")
+    for rank, result in enumerate(results):  # resumed with FSDP2: from FSDP2, from replicas
+        long = result["1f1b uninterrupted"]  # FSDP2, STEPS + MORE steps in one run
+        torch.testing.assert_close(torch.tensor(long["losses"], dtype=torch.float64),
+                                   torch.tensor(more, dtype=torch.float64), **TIGHT)
+        torch.testing.assert_close(  # the replicated run that saved the plain checkpoint
+            torch.tensor(result["1f1b plain"]["losses"], dtype=torch.float64),
+            torch.tensor(losses, dtype=torch.float64), **TIGHT)
+        for case, want in (("1f1b resumed sharded", long), ("1f1b plain resumed sharded", long),
+                           ("interleaved resumed sharded", None)):
+            got, close = result[case], EXACT if want else TIGHT
+            assert got["sharded"], (case, rank)
+            # Adam's moments land as the parameters are held: DTensors (the step stays plain)
+            assert got["kinds"] == {("exp_avg", True), ("exp_avg_sq", True)}, (case, rank)
+            torch.testing.assert_close(
+                torch.tensor(got["losses"], dtype=torch.float64),
+                torch.tensor(want["losses"][2 * STEPS:] if want else more[2 * STEPS:],
+                             dtype=torch.float64), **close, msg=f"{case} rank {rank}")
+            for key, value in got["params"].items():
+                torch.testing.assert_close(value, want["params"][key] if want else resumed[key],
+                                           **close, msg=f"{case} {key}")
     for name in CASES:  # the plain module
         torch.manual_seed(3)
         gpt = type(model())().double()
