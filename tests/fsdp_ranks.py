@@ -3,7 +3,8 @@ checked against: a GPT-like model with its LM head tied to the token embedding, 
 trained on a ("dp", "pp") = (2, 2) mesh with FSDP2-sharded stages, AdamW and an LR scheduler,
 each step's gradients accumulated over two calls; then saved, and resumed on two ranks without
 FSDP (ranks 0 and 1 resume one schedule's checkpoint, ranks 2 and 3 the other's) and with FSDP2
-on the mesh; and a replicated pipeline's checkpoint resumed with FSDP2."""
+on the mesh and on another (its dimensions swapped); and a replicated pipeline's checkpoint
+resumed with FSDP2."""
 
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ def _resume_sharded(mesh, name: str, directory: Path, saved: str) -> dict:
     fresh = GPT().double()
     s = from_modules(cut(fresh, n_stages), stateful=False, root=fresh)
     held = fdist.my_stages(schedule, n_stages, mesh=mesh)
-    replica, worker = mesh.get_coordinate()
+    replica, worker = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     with fdist.pipeline(s.stages, {h: s.params[h] for h in held}, schedule=schedule,
                         loss_fn=loss_fn, mesh=mesh, ties=s.ties, shard="fsdp",
                         timeout=60) as pipe:
@@ -296,6 +297,9 @@ def train_save_resume(rank: int, world: int) -> dict:
         out[f"{name} resumed"] = _resume(mesh, name, directory)
         out[f"{name} resumed sharded"] = _resume_sharded(mesh, name, directory, name)
     out["1f1b plain resumed sharded"] = _resume_sharded(mesh, "1f1b", directory, "1f1b plain")
+    # another mesh: its dimensions swapped, so each rank holds other stages and shards
+    swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    out["1f1b resumed on another mesh"] = _resume_sharded(swapped, "1f1b", directory, "1f1b")
     # the uninterrupted run the 1F1B resumes are compared with to 1e-12
     out["1f1b uninterrupted"] = _case(mesh, "1f1b", directory, "fsdp", STEPS + MORE,
                                       save_as="1f1b uninterrupted")

@@ -52,6 +52,9 @@ def test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_plain_module(
                                    torch.tensor(more[2 * STEPS:], dtype=torch.float64), **TIGHT)
         for key, value in got["params"].items():
             torch.testing.assert_close(value, resumed[key], **TIGHT, msg=f"{name} {key}")
+    whole_long = {}  # the uninterrupted run's parameters, every rank's
+    for result in results:
+        whole_long.update(result["1f1b uninterrupted"]["params"])
     for rank, result in enumerate(results):  # resumed with FSDP2: from FSDP2, from replicas
         long = result["1f1b uninterrupted"]  # FSDP2, STEPS + MORE steps in one run
         torch.testing.assert_close(torch.tensor(long["losses"], dtype=torch.float64),
@@ -59,7 +62,12 @@ def test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_plain_module(
         torch.testing.assert_close(  # the replicated run that saved the plain checkpoint
             torch.tensor(result["1f1b plain"]["losses"], dtype=torch.float64),
             torch.tensor(losses, dtype=torch.float64), **TIGHT)
+        long = {**long, "params": whole_long}
+        other, same = (set(result[f"1f1b resumed{where}"]["params"])
+                       for where in (" on another mesh", " sharded"))
+        assert (other == same) == (rank in (0, 3))  # ranks 1 and 2 hold the other stage there
         for case, want in (("1f1b resumed sharded", long), ("1f1b plain resumed sharded", long),
+                           ("1f1b resumed on another mesh", long),
                            ("interleaved resumed sharded", None)):
             got, close = result[case], EXACT if want else TIGHT
             assert got["sharded"], (case, rank)
