@@ -368,8 +368,8 @@ class DistributedPipeline:
               carry: list | None = None) -> tuple[Step, tuple | None, Replica | None]:
         """One whole step: the header, every action of this rank, the loss to every rank."""
         what = f"{'training' if training else 'forward'} step on rank {self.rank}"
-        with self._calls.alone(), self._times.step(what, [self.device], self.step_log,
-                                                   record) as measure, released(self._sharded):
+        measured = self._times.step(what, [self.device], self.step_log, record, (self.worker,))
+        with self._calls.alone(), measured as measure, released(self._sharded):
             step, channel, replica = self._begin(program, int(training), x, target, params,
                                                  state, measure.record, accumulate, carry)
             measure.count(sum(mb.size for mb in step.batch), x, tokens)

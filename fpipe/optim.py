@@ -17,6 +17,7 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fpipe._runtime.ranks.gather import collective_device
 from fpipe._runtime.trees import leaf_names, stage_items
@@ -63,19 +64,70 @@ def global_norm(grads: Any, *, ties: Any = (), group: Any = None) -> torch.Tenso
     dtype) where the installed torch has it (2.6 and later). Gradients in float16 or bfloat16
     are summed in float32 instead, which torch's function does not do (its norm would have
     the gradients' precision).
+
+    Sharded gradients (DTensors, as a pipeline built with ``shard="fsdp"`` returns them)
+    count each element once: a rank takes the norm of its own shards, whose squares are
+    summed over the mesh dimensions they are sharded on (one all-reduce of one scalar per
+    dimension), then added to the other leaves' (replicated ones are alike on every rank).
     """
     leaves = _counted(grads, ties)
     if not leaves and group is None:
         raise ValueError("no gradients to take the norm of")
-    if not leaves:
-        norm = torch.zeros((), dtype=torch.float32)
-    elif _TORCH_TOTAL_NORM and all(leaf.dtype.itemsize >= 4 for leaf in leaves):
-        norm = torch.nn.utils.get_total_norm(leaves, 2.0)
-    else:
-        norm = _total_norm(leaves)
+    plain, sharded = _split(leaves)
+    norm = _norm(plain) if plain or not sharded else None
+    for groups, shards in sharded.items():
+        square = _norm(shards).detach().to(torch.float64).square()
+        for over in groups:
+            square = _summed(square, over)
+        found = _norm_like(square, shards[0])
+        norm = found if norm is None else _norm_like(
+            norm.to(torch.float64).square() + square.to(norm.device), norm)
     if group is None:
         return norm
     return _group_norm(norm, group)
+
+
+def _norm(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of plain tensors on this rank (zero if none)."""
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    if _TORCH_TOTAL_NORM and all(leaf.dtype.itemsize >= 4 for leaf in leaves):
+        return torch.nn.utils.get_total_norm(leaves, 2.0)
+    return _total_norm(leaves)
+
+
+def _norm_like(square: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``sqrt(square)`` on ``like``'s device, in the dtype its norm would have."""
+    dtype = like.dtype if like.dtype.itemsize >= 4 else torch.float32
+    return square.sqrt().to(like.device, dtype)
+
+
+def _split(leaves: list) -> tuple[list[torch.Tensor], dict[tuple, list[torch.Tensor]]]:
+    """``(plain leaves, {process groups of the sharded mesh dimensions: local shards})``:
+    a DTensor's local shard, by the groups its squares are summed over (none: replicated)."""
+    plain: list[torch.Tensor] = []
+    sharded: dict[tuple, list[torch.Tensor]] = {}
+    for leaf in leaves:
+        if not isinstance(leaf, DTensor):
+            plain.append(leaf)
+            continue
+        if any(p.is_partial() for p in leaf.placements):
+            raise ValueError(f"a gradient is a DTensor with a pending reduction "
+                             f"({leaf.placements}): reduce it before taking its norm")
+        groups = tuple(leaf.device_mesh.get_group(dim)
+                       for dim, p in enumerate(leaf.placements) if p.is_shard())
+        if groups:
+            sharded.setdefault(groups, []).append(leaf.to_local())
+        else:
+            plain.append(leaf.to_local())
+    return plain, sharded
+
+
+def _summed(square: torch.Tensor, group: Any) -> torch.Tensor:
+    """``square`` summed over ``group``'s ranks (one all-reduce of one scalar)."""
+    square = square.to(collective_device(group))
+    dist.all_reduce(square, group=group)
+    return square
 
 
 def _counted(grads: Any, ties: Any) -> list[torch.Tensor]:
@@ -111,6 +163,8 @@ def clip_grad_norm(grads: Any, max_norm: float, eps: float = 1e-6, *, ties: Any 
     scale = (max_norm / (norm + eps)).clamp(max=1.0)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for leaf in optree.tree_leaves(grads):
+        if isinstance(leaf, DTensor):  # its shard here, scaled where it lies
+            leaf = leaf.to_local()
         groups.setdefault((leaf.device, leaf.dtype), []).append(leaf)
     with torch.no_grad():
         for (device, dtype), leaves in groups.items():

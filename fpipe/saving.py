@@ -336,7 +336,8 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     if optimizer is not None:
         order, hyper = hyper_parameters(read, lambda check: agreed(check, process_group),
                                         optimizer, order, held, ties, names)
-        request[_OPTIM] = state_request(order, held)
+        held_params = [p for group in optimizer.param_groups for p in group["params"]]
+        request[_OPTIM] = state_request(order, held, dict(zip(order, held_params)))
     got = _read_checked({**request, **more}, metadata, directory, reader, process_group)
     optim = None if optimizer is None else agreed(
         lambda: optimizer_state_dict(optimizer, order, got[_OPTIM], hyper), process_group)

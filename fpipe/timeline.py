@@ -235,7 +235,8 @@ class StepFigures:
     most bytes allocated during the step (``torch.cuda.max_memory_allocated``, its peak
     reset at the step's start); empty on the CPU. ``bubble``: idle time over total on the
     workers, from the step's timeline: ``1 - busy / (makespan * workers)``, ``None`` when the
-    step recorded none (see :class:`StepLog`); a distributed rank measures its own worker.
+    step recorded none (see :class:`StepLog`); a distributed rank measures its own worker
+    only, ``1 - busy / makespan`` of its spans.
     """
 
     what: str
@@ -267,10 +268,14 @@ class StepFigures:
         return ", ".join(said)
 
 
-def bubble(timeline: tuple[tuple[Span, ...], ...]) -> float | None:
+def bubble(timeline: tuple[tuple[Span, ...], ...],
+           workers: tuple[int, ...] | None = None) -> float | None:
     """Idle time over total on the workers of a step's timeline: ``1 - busy / (makespan *
-    workers)``, over the workers that ran an action (``None`` if none did)."""
-    workers = [spans for spans in timeline if spans]
+    workers)``, over ``workers`` (indices into the timeline; by default every worker) that
+    ran an action (``None`` if none did). A distributed rank gives its own worker: the
+    others' idle time is theirs to measure."""
+    chosen = range(len(timeline)) if workers is None else workers
+    workers = [timeline[w] for w in chosen if timeline[w]]
     if not workers:
         return None
     makespan = max(span.end for spans in workers for span in spans)

@@ -274,6 +274,25 @@ MUTANTS = (
            "self._bucket(group, members, [t for t, s in enumerate(spans) if s == span])",
            "None",
            ("tests/test_ties.py::test_distributed_ties",)),
+    Mutant("accumulated calls' gradients not weighted by the replica's share",
+           "_runtime/ranks/accumulate.py",
+           "self.add(sums, held, replica.share if replica is not None and replica.weighted "
+           "else 1.0)", "self.add(sums, held, 1.0)",
+           ("tests/test_data_parallel.py::test_accumulated_calls_on_plain_replicas_give_one_"
+            "whole_batch_call_s_gradients",)),
+    Mutant("accumulated gradients not added to plain replicas' last reduction",
+           "_runtime/ranks/data_parallel.py",
+           "carried = None if self.carry is None else self.carry[stage]", "carried = None",
+           ("tests/test_data_parallel.py::test_accumulated_calls_on_plain_replicas_give_one_"
+            "whole_batch_call_s_gradients",)),
+    Mutant("a tie's copies frozen on one rank and trained on another not compared",
+           "_runtime/ranks/tie_groups.py", '"frozen" if frozen(leaf) else "trained"',
+           '"trained"', ("tests/test_ties.py::test_distributed_bad_ties_raise_on_every_rank",)),
+    Mutant("replicas that freeze other leaves not compared at build",
+           "_runtime/ranks/agreement.py", 'str(leaf.dtype), *(("frozen",) * frozen(leaf)))',
+           "str(leaf.dtype))",
+           ("tests/test_agreement.py::test_ranks_that_differ_are_refused_alike_at_build"
+            "[mesh-4-180-cases0]",)),
     Mutant("a tied tensor left with its last owner's value, not its first's",
            "stages/materialize.py", "getattr(owner, attr).copy_(values[group[0]])", "pass",
            ("tests/test_meta_init.py",)),
@@ -348,6 +367,15 @@ MUTANTS = (
            "norm = global_norm(grads, ties=ties, group=group)",
            "norm = global_norm(grads, ties=ties)",
            ("tests/test_clipping.py",)),
+    Mutant("optimiser state loaded whole into an FSDP2 pipeline",
+           "_runtime/ranks/saved_optimizer.py",
+           "        return torch.empty_like(param, dtype=empty.dtype)", "        return empty",
+           ("tests/test_fsdp.py::test_fsdp_pipeline_trains_accumulates_saves_and_resumes_as_the_"
+            "plain_module",)),
+    Mutant("a sharded gradient's squares not summed over its shards", "optim.py",
+           "            square = _summed(square, over)", "            pass",
+           ("tests/test_fsdp.py::test_clipping_under_fsdp_by_the_whole_model_s_norm_a_tie_"
+            "counted_once",)),
     Mutant("replicas' parameters not compared at build", "_runtime/ranks/agreement.py",
            "fields = [*a.shared, *(a.held if held else ())]",
            "fields = [*a.shared, *(b.held if held else ())]",

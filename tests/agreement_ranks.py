@@ -20,11 +20,16 @@ MESH_CASES = (
     ("chunks", 2, {"chunks": 4}),
     ("autodiff", 3, {"autodiff": "func"}),
     ("grad_dtype", 0, {"grad_dtype": torch.float32}),
+    ("frozen", 3, {"frozen": "b"}),  # alike but for which leaves are trained
 )
 
 
 def _build(held: tuple, how: dict, **where) -> fdist.DistributedPipeline:
     full = mlp_params(2, how.get("width", 8), how.get("dtype", torch.float64))
+    if "frozen" in how:
+        full = [{name: torch.nn.Parameter(leaf, requires_grad=False)
+                 if name == how["frozen"] else leaf for name, leaf in stage.items()}
+                for stage in full]
     schedule = fdist_schedule(how.get("schedule", "1f1b"), how.get("chunks", 2))
     return fdist.pipeline([block, block], {s: full[s] for s in held}, schedule=schedule,
                           loss_fn=mse, autodiff=how.get("autodiff", "autograd"),

@@ -62,6 +62,36 @@ def mesh(rank: int, world: int) -> dict:
     return out
 
 
+#: The accumulating scenario's calls: (global batch, its shards' sizes); the first call
+#: accumulates, the second returns the sum. Uneven shards: each call's gradients are weighted
+#: by the replica's share of that call's batch.
+ACCUMULATED = ((30, (5, 3)), (31, (4, 4)))
+
+
+def accumulating(rank: int, world: int) -> dict:
+    """``accumulate=True`` on plain replicas (no FSDP) of a ("dp", "pp") = (2, 2) mesh, 1F1B
+    and ZB-V: two calls, the first accumulating; each call's loss, the last one's gradients."""
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, worker = device_mesh.get_coordinate()
+    out = {}
+    for name, chunks, n_stages in (("1f1b", 2, 2), ("zbv", 3, 4)):
+        schedule = fdist_schedule(name, chunks)
+        held = fdist.my_stages(schedule, n_stages, mesh=device_mesh)
+        full = mlp_params(n_stages)
+        with fdist.pipeline([block] * n_stages, {s: full[s] for s in held}, schedule=schedule,
+                            loss_fn=mse, mesh=device_mesh, timeout=20) as pipe:
+            last = pipe.program.placement[-1]
+            calls = []
+            for call, (seed, sizes) in enumerate(ACCUMULATED):
+                x, target = data(8, 8, seed=seed)
+                calls.append(pipe.value_and_grad(
+                    shard(x, replica, sizes) if worker == 0 else None,
+                    shard(target, replica, sizes) if worker == last else None,
+                    accumulate=call == 0))
+            out[name] = calls
+    return out
+
+
 def uneven_steps() -> list:
     return [data(8, 8, seed=32)]
 

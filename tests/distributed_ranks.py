@@ -751,6 +751,10 @@ def ties(rank: int, world: int) -> dict:
         apart["head.weight"] = apart["head.weight"].clone()
         apart["head.weight"][2, 1] += 1e-12
     out["apart"] = _outcome(build, apart, tie)
+    frozen = dict(full[rank])
+    if rank == 1:  # the head's copy frozen, the embedding's trained: no step may run
+        frozen["head.weight"] = torch.nn.Parameter(frozen["head.weight"], requires_grad=False)
+    out["frozen"] = _outcome(build, frozen, tie)
     return out
 
 
@@ -781,9 +785,13 @@ def logged(rank: int, world: int) -> dict:
         pipe(x if rank == 0 else None)
         forward = pipe.last_step
         _outcome(pipe.value_and_grad, x if rank == 0 else None, target[:3] if rank else None)
+        failed = pipe.last_step
+        recorder = fpipe.Recorder()  # a recorded step: its bubble against its timeline
+        pipe.value_and_grad(x if rank == 0 else None, target if rank == 1 else None,
+                            record=recorder)
     figures = [(f.what, f.seconds, f.samples, f.samples_per_second, f.tokens, f.bubble)
-               for f in (trained, forward, pipe.last_step)]
-    return {"records": records, "figures": figures}
+               for f in (trained, forward, failed, pipe.last_step)]
+    return {"records": records, "figures": figures, "timeline": recorder.timeline}
 
 
 SCENARIOS["logged"] = logged

@@ -2,7 +2,9 @@
 checked against: a GPT-like model with its LM head tied to the token embedding, in float64,
 trained on a ("dp", "pp") = (2, 2) mesh with FSDP2-sharded stages, AdamW and an LR scheduler,
 each step's gradients accumulated over two calls; then saved, and resumed on two ranks without
-FSDP (ranks 0 and 1 resume one schedule's checkpoint, ranks 2 and 3 the other's)."""
+FSDP (ranks 0 and 1 resume one schedule's checkpoint, ranks 2 and 3 the other's) and with FSDP2
+on the mesh and on another (its dimensions swapped); and a replicated pipeline's checkpoint
+resumed with FSDP2."""
 
 from __future__ import annotations
 
@@ -203,7 +205,8 @@ def _full(params: dict, names: dict) -> dict:
     return out
 
 
-def _case(mesh, name: str, directory: Path, shard: str | None, steps: int) -> dict:
+def _case(mesh, name: str, directory: Path, shard: str | None, steps: int,
+          save_as: str | None = None) -> dict:
     make, n_stages = CASES[name]
     schedule = make()
     gpt = model()
@@ -220,12 +223,41 @@ def _case(mesh, name: str, directory: Path, shard: str | None, steps: int) -> di
                         (worker == placement[0], worker == placement[-1]))
         out = {"losses": losses, "bytes": held_bytes(pipe.params, optimizer),
                "reduce_scatters": count[0], "held": held}
-        if shard is None:
+        if save_as is None:
             return out
         out["params"] = _full(pipe.params, s.names)
-        saving.save(directory / name, pipe.params, optimizer=optimizer, names=s.names,
+        saving.save(directory / save_as, pipe.params, optimizer=optimizer, names=s.names,
                     extra={"scheduler": scheduler})
     return out
+
+
+def _resume_sharded(mesh, name: str, directory: Path, saved: str) -> dict:
+    """The checkpoint ``saved`` loaded into a pipeline of ``name`` built with FSDP2 on the
+    (2, 2) mesh, the optimiser built on its ``DTensor`` parameters: where its state lands
+    (each tensor's type), then :data:`MORE` steps, each accumulated over two calls."""
+    from torch.distributed.tensor import DTensor
+    make, n_stages = CASES[name]
+    schedule = make()
+    torch.manual_seed(1)  # another start: everything comes from the checkpoint
+    fresh = GPT().double()
+    s = from_modules(cut(fresh, n_stages), stateful=False, root=fresh)
+    held = fdist.my_stages(schedule, n_stages, mesh=mesh)
+    replica, worker = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    with fdist.pipeline(s.stages, {h: s.params[h] for h in held}, schedule=schedule,
+                        loss_fn=loss_fn, mesh=mesh, ties=s.ties, shard="fsdp",
+                        timeout=60) as pipe:
+        optimizer, scheduler = optimiser(optree.tree_leaves(pipe.params))
+        saving.load(directory / saved, pipe.params, optimizer=optimizer, names=s.names,
+                    ties=s.ties, extra={"scheduler": scheduler})
+        kinds = {(key, type(p).__name__ == type(value).__name__)
+                 for p in optree.tree_leaves(pipe.params)
+                 for key, value in optimizer.state[p].items() if key != "step"}
+        placement = pipe.program.placement
+        losses = _train(pipe, optimizer, scheduler, range(STEPS, STEPS + MORE),
+                        (replica * BATCH // 2, (replica + 1) * BATCH // 2),
+                        (worker == placement[0], worker == placement[-1]))
+        return {"losses": losses, "params": _full(pipe.params, s.names), "kinds": kinds,
+                "sharded": all(isinstance(p, DTensor) for p in optree.tree_leaves(pipe.params))}
 
 
 def _resume(mesh, name: str, directory: Path) -> dict:
@@ -257,10 +289,58 @@ def train_save_resume(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     out = {}
     for name in CASES:
-        out[name] = _case(mesh, name, directory, "fsdp", STEPS)
+        out[name] = _case(mesh, name, directory, "fsdp", STEPS, save_as=name)
         out[f"{name} replicated"] = _case(mesh, name, directory, None, 1)
+    # a replicated (plain) pipeline's checkpoint, to resume under FSDP2
+    out["1f1b plain"] = _case(mesh, "1f1b", directory, None, STEPS, save_as="1f1b plain")
     for name in CASES:  # every rank builds the same pipelines (a tie map is the job's)
         out[f"{name} resumed"] = _resume(mesh, name, directory)
+        out[f"{name} resumed sharded"] = _resume_sharded(mesh, name, directory, name)
+    out["1f1b plain resumed sharded"] = _resume_sharded(mesh, "1f1b", directory, "1f1b plain")
+    # another mesh: its dimensions swapped, so each rank holds other stages and shards
+    swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    out["1f1b resumed on another mesh"] = _resume_sharded(swapped, "1f1b", directory, "1f1b")
+    # the uninterrupted run the 1F1B resumes are compared with to 1e-12
+    out["1f1b uninterrupted"] = _case(mesh, "1f1b", directory, "fsdp", STEPS + MORE,
+                                      save_as="1f1b uninterrupted")
     # Too large for the harness's queue (which is read once every rank has ended): a file.
     torch.save(out, directory / f"rank{rank}.pt")
     return {"saved": True}
+
+
+#: The clipping scenario's threshold: below the first step's norm, so every gradient is scaled.
+MAX_NORM = 0.05
+
+
+def clipped(rank: int, world: int) -> dict:
+    """One step of the tied GPT under FSDP2 on a (2, 2) mesh (1F1B), its gradients clipped
+    by the whole model's norm (``pipe.clip_grad_norm``): the norm and every clipped gradient
+    whole, by the model's name; and ``fpipe.optim.global_norm`` of them after."""
+    from fpipe.optim import global_norm
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    make, n_stages = CASES["1f1b"]
+    schedule = make()
+    gpt = model()
+    s = from_modules(cut(gpt, n_stages), stateful=False, root=gpt)
+    held = fdist.my_stages(schedule, n_stages, mesh=mesh)
+    replica, worker = mesh.get_coordinate()
+    ids, target = batches(0)[0]
+    rows = slice(replica * BATCH // 2, (replica + 1) * BATCH // 2)
+    with fdist.pipeline(s.stages, {h: s.params[h] for h in held}, schedule=schedule,
+                        loss_fn=loss_fn, mesh=mesh, ties=s.ties, shard="fsdp",
+                        timeout=60) as pipe:
+        _, grads = pipe.value_and_grad(ids[rows] if worker == 0 else None,
+                                       target[rows] if worker == 1 else None)
+        grads, norm = pipe.clip_grad_norm(grads, MAX_NORM)
+        after = global_norm(grads, ties=pipe.ties, group=pipe.group)
+        return {"norm": norm, "after": after, "grads": _full(grads, s.names)}
+
+
+def plain_clipped() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`clipped` in the plain module: ``torch.nn.utils.clip_grad_norm_`` (the tied
+    weight one parameter) after one whole-batch backward."""
+    gpt = model()
+    ids, target = batches(0)[0]
+    loss_fn(gpt(ids), target).backward()
+    norm = torch.nn.utils.clip_grad_norm_(gpt.parameters(), MAX_NORM)
+    return norm, {name: p.grad for name, p in gpt.named_parameters(remove_duplicate=False)}

@@ -23,6 +23,8 @@ SAID = {
     "chunks": ("different chunks", "2", None),
     "autodiff": ("different autodiff", "'autograd'", "'func'"),
     "grad_dtype": ("different grad_dtype", "'torch.float32'", "None"),
+    "frozen": ("stage 1's parameters", "('b', (8,), 'torch.float64')",
+               "('b', (8,), 'torch.float64', 'frozen')"),
 }
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from data_parallel_ranks import (
+    ACCUMULATED,
     BN_CHUNKS,
     BN_SHARDS,
     LR,
@@ -19,7 +20,7 @@ from data_parallel_ranks import (
     shard,
     uneven_steps,
 )
-from distributed_ranks import fdist_schedule, spawn
+from distributed_ranks import data, fdist_schedule, spawn
 from models import block, mlp_params, mse, whole_batch
 
 from fpipe._runtime.instructions import compiled
@@ -148,6 +149,33 @@ def test_two_replicas_on_a_mesh_give_the_whole_batch_loss_and_gradients():
             assert result[f"{name}: ranks"] == (2 * replica, 2 * replica + 1)
             held = [s for s, w in enumerate(placement) if w == worker]
             _check(result[name], expected, held)
+
+
+def test_accumulated_calls_on_plain_replicas_give_one_whole_batch_call_s_gradients():
+    """``accumulate=True`` without FSDP: two calls on a (2, 2) mesh, shards of 5 and 3 then 4
+    and 4; each call's loss is its global batch's, and the last call's gradients those of one
+    whole-batch call on both batches, each batch's mean loss summed (torch.func, float64)."""
+    results, codes = spawn("data_parallel_ranks:accumulating", 4, timeout=120)
+    _ok(results, codes)
+    batches = [data(8, 8, seed=seed) for seed, _ in ACCUMULATED]
+    x, target = (torch.cat(parts) for parts in zip(*batches))
+
+    def summed(y, t):  # each batch's mean, summed: what accumulated calls return
+        return sum(mse(y[i:i + 8], t[i:i + 8]) for i in (0, 8))
+    for name, chunks, n_stages in (("1f1b", 2, 2), ("zbv", 3, 4)):
+        placement = fdist_schedule(name, chunks).program(n_stages).placement
+        stages, params = [block] * n_stages, mlp_params(n_stages)
+        _, grads = whole_batch(stages, params, x, target, summed)
+        losses = [whole_batch(stages, params, *batch, mse)[0] for batch in batches]
+        for rank, result in enumerate(results):
+            (first_loss, none), (loss, got) = result[name]
+            assert none is None  # the accumulating call returns no gradients
+            torch.testing.assert_close(first_loss, losses[0], **TIGHT)
+            torch.testing.assert_close(loss, losses[1], **TIGHT)
+            held = [s for s, w in enumerate(placement) if w == rank % 2]
+            assert sorted(got) == held
+            for s in held:
+                torch.testing.assert_close(got[s], grads[s], **TIGHT)
 
 
 def test_explicit_groups_uneven_shards_vjp_and_gradients_left_alone():

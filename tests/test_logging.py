@@ -83,17 +83,23 @@ def test_a_distributed_pipeline_logs_as_the_local_one():
         assert records[0][1].startswith(f"DistributedPipeline(rank {rank}, worker {rank} of 2")
         steps = [(level, m.split(" took")[0]) for level, m in records if " took " in m]
         assert steps == [("DEBUG", f"training step on rank {rank}"),
-                         ("DEBUG", f"forward step on rank {rank}")]
+                         ("DEBUG", f"forward step on rank {rank}"),
+                         ("DEBUG", f"training step on rank {rank}")]
         [(level, failed)] = [r for r in records if "failed" in r[1]]
         assert level == "WARNING" and failed.startswith(f"training step on rank {rank} failed")
         assert "BatchError: the input has 8 samples but the target has 3" in failed
-        trained, forward, after_failure = result["figures"]
+        trained, forward, after_failure, recorded = result["figures"]
         what, seconds, samples, per_second, tokens, bubble = trained
         assert (what, samples, bubble) == (f"training step on rank {rank}", 8, None)
         assert per_second == samples / seconds
         assert tokens == (64 if rank == 1 else None)  # given on rank 1; rank 0's x is float
         assert forward[2] == 8 and 0 <= forward[5] < 1  # this rank's worker's bubble
         assert after_failure == forward  # a failed step leaves the last figures
+        timeline = result["timeline"]  # this rank's worker's spans, the other's none
+        assert [bool(spans) for spans in timeline] == [w == rank for w in (0, 1)]
+        mine = timeline[rank]
+        busy = sum(span.end - span.start for span in mine)
+        assert recorded[5] == 1.0 - busy / max(span.end for span in mine)
 
 
 def test_each_step_s_figures_are_consistent_and_logged(caplog):

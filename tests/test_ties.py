@@ -335,9 +335,9 @@ def test_distributed_bad_ties_raise_on_every_rank(distributed):
         assert message.startswith("rank 1: tie 0 ((0, 'wte.weight'), (1, 'head.weight')): "
                                   "stage 1 has no parameter leaf 'head.weight'")
         kind, name, message = distributed[rank]["narrow"]
-        assert (kind, name) == ("error", "ValueError")
-        assert "stage 0's 'wte.weight' (rank 0) is (7, 4) torch.float64" in message
-        assert "stage 1's 'head.weight' (rank 1) (7, 3) torch.float64" in message
+        assert (kind, name) == ("error", "PlacementError")
+        assert "stage 0's 'wte.weight' (rank 0) is trained, (7, 4) torch.float64" in message
+        assert "stage 1's 'head.weight' (rank 1) trained, (7, 3) torch.float64" in message
         kind, name, message = distributed[rank]["maps"]
         assert (kind, name) == ("error", "ValueError")
         assert "rank 0 and rank 1 were given different tie maps" in message
@@ -345,3 +345,12 @@ def test_distributed_bad_ties_raise_on_every_rank(distributed):
         assert (kind, name) == ("error", "ValueError")
         assert message.startswith("tie 0 ((0, 'wte.weight'), (1, 'head.weight')): its copies "
                                   "on ranks [0, 1] hold different values")
+    said = {distributed[rank]["frozen"] for rank in (0, 1)}
+    assert len(said) == 1  # one error, alike on both ranks
+    kind, name, message = said.pop()
+    assert (kind, name) == ("error", "PlacementError")
+    assert message.startswith("tie 0 ((0, 'wte.weight'), (1, 'head.weight')): stage 0's "
+                              "'wte.weight' (rank 0) is trained, (7, 4) torch.float64 with "
+                              "torch.float64 gradients, stage 1's 'head.weight' (rank 1) "
+                              "frozen, (7, 4) torch.float64")
+    assert "trained or frozen alike" in message and "no step was run" in message

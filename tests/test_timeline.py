@@ -60,3 +60,17 @@ def test_split_backward_is_recorded_as_input_then_weight():
 def test_nothing_recorded_yet():
     with pytest.raises(ValueError, match="record=recorder"):
         _ = fpipe.Recorder().timeline
+
+
+def test_a_bubble_over_chosen_workers_is_theirs_alone():
+    """A distributed rank's figures give its own worker's bubble, ``1 - busy / makespan`` of
+    its spans, not the average with workers it does not run (binary fractions: exact)."""
+    from fpipe.schedules.actions import Action, Op
+    from fpipe.schedules.simulate import Span
+    timeline = ((Span(Action(0, Op.FORWARD, 0), 0.0, 0.25),
+                 Span(Action(0, Op.BACKWARD, 0), 0.75, 1.0)),
+                (Span(Action(1, Op.FORWARD, 0), 0.25, 0.5),))
+    assert fpipe.timeline.bubble(timeline) == 1 - 0.75 / (1.0 * 2)
+    assert fpipe.timeline.bubble(timeline, (0,)) == 1 - 0.5 / 1.0
+    assert fpipe.timeline.bubble(timeline, (1,)) == 1 - 0.25 / 0.5
+    assert fpipe.timeline.bubble(((), ()), (1,)) is None

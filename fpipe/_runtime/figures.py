@@ -37,8 +37,8 @@ class Measure:
     :attr:`record` to the driver; :meth:`figures` reads the rest when the step has ended."""
 
     def __init__(self, what: str, devices: Sequence[torch.device], log: StepLog,
-                 record: Recorder | None) -> None:
-        self.what = what
+                 record: Recorder | None, workers: tuple[int, ...] | None = None) -> None:
+        self.what, self.workers = what, workers  # the workers this process runs (None: all)
         self.record = Recorder() if record is None and log.bubble else record
         self.recorded = 0 if self.record is None else len(self.record.steps)
         self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
@@ -59,4 +59,4 @@ class Measure:
         if self.record is not None and len(self.record.steps) > self.recorded:
             timeline = self.record.timeline  # this step's
         return StepFigures(self.what, seconds, self.samples, self.tokens, peaks,
-                           None if timeline is None else bubble(timeline))
+                           None if timeline is None else bubble(timeline, self.workers))

@@ -42,11 +42,12 @@ class StepTimes:
 
     @contextmanager
     def step(self, what: str, devices: Sequence[torch.device] = (), log: Any = None,
-             record: Any = None) -> Iterator[Any]:
+             record: Any = None, workers: tuple[int, ...] | None = None) -> Iterator[Any]:
         """Measure one step; yields its :class:`~fpipe._runtime.figures.Measure`, whose
-        ``record`` the step records its timeline into and whose counts the face sets."""
+        ``record`` the step records its timeline into and whose counts the face sets;
+        ``workers``: those whose bubble the step's figures give (``None``: all)."""
         log = StepLog() if log is None else log
-        measure = Measure(what, devices, log, record)
+        measure = Measure(what, devices, log, record, workers)
         start = time.perf_counter()
         try:
             yield measure

@@ -53,13 +53,30 @@ def flat_optimizer(optimizer: torch.optim.Optimizer, order: list[str]) -> dict[s
 
 
 
-def state_request(order: list[str], held: dict[str, Any]) -> dict[str, Any]:
+def state_request(order: list[str], held: dict[str, Any],
+                  like: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The optimiser state the checkpoint holds for these parameters (``state.<name>.<key>``,
-    alike in both layouts), as DCP fills it."""
+    alike in both layouts), as DCP fills it. ``like``: the parameter each name's state is
+    for; a state tensor of a sharded parameter's shape (Adam's moments of FSDP2's
+    ``DTensor``) is read as the parameter is held, into a ``DTensor`` placed as it is, so the
+    optimiser's state lands sharded as its parameters are (torch's ``step`` stays plain)."""
     wanted, prefix = set(order), f"{OPTIM}.state."
-    return {key[len(OPTIM) + 1:]: saved_groups.placeholder(saved)
+    like = like or {}
+    return {key[len(OPTIM) + 1:]: _as_held(saved_groups.placeholder(saved),
+                                           like.get(key[len(prefix):].rpartition(".")[0]))
             for key, saved in held.items()
             if key.startswith(prefix) and key[len(prefix):].rpartition(".")[0] in wanted}
+
+
+def _as_held(empty: Any, param: torch.Tensor | None) -> Any:
+    """``empty`` (a placeholder), or a ``DTensor`` like ``param`` in ``empty``'s dtype where
+    ``param`` is one and ``empty`` has its whole shape."""
+    from torch.distributed.tensor import DTensor
+
+    if (isinstance(param, DTensor) and isinstance(empty, torch.Tensor)
+            and empty.shape == param.shape):
+        return torch.empty_like(param, dtype=empty.dtype)
+    return empty
 
 
 

@@ -30,6 +30,8 @@ from fpipe._runtime.ranks.driver import backend_for
 from fpipe._runtime.ranks.faults import RankFaults
 from fpipe._runtime.ranks.gather import all_gather_objects
 from fpipe._runtime.ties import assign, check_local, describe, parse, slots, targets, total
+from fpipe._runtime.values import frozen
+from fpipe.errors import PlacementError
 
 __all__ = ["TieGroups"]
 
@@ -162,8 +164,10 @@ class TieGroups:
 def _read(ties: Iterable | None, params: Mapping[int, Any], n_stages: int,
           grad_dtype: torch.dtype | None) -> tuple[tuple, tuple]:
     """The parsed tie map (empty if it is bad) and what this rank tells the others:
-    ``(tie map, {(tie, stage, name): (shape, dtype, grad dtype)} of its members, error)``, the
-    error as ``(type name, message)`` or ``None``."""
+    ``(tie map, {(tie, stage, name): (shape, dtype, grad dtype, trained)} of its members,
+    error)``, the error as ``(type name, message)`` or ``None``. Each is what decides the bytes
+    the member's rank puts into its tie's all-reduce (a frozen member gets no gradient: its
+    rank would send another dtype, or nothing, where the others send a sum)."""
     try:
         parsed = parse(ties, n_stages)
         places = slots(parsed, params)
@@ -176,13 +180,15 @@ def _read(ties: Iterable | None, params: Mapping[int, Any], n_stages: int,
         for member, (s, i) in zip([m for m in tie if m.stage in params], held):
             leaf = leaves[s][i]
             found[(t, *member)] = (tuple(leaf.shape), str(leaf.dtype),
-                                 str(grad_dtype or leaf.dtype))
+                                   str(grad_dtype or leaf.dtype),
+                                   "frozen" if frozen(leaf) else "trained")
     return parsed, (parsed, found, None)
 
 
 def _check_all(records: list, ranks: tuple[int, ...]) -> None:
     """Every rank's findings, checked alike on every rank: the first rank's error, tie maps
-    that differ, members of one tie (on this pipeline's ranks) that disagree."""
+    that differ, members of one tie (on this pipeline's ranks) that disagree (a
+    :class:`~fpipe.errors.PlacementError`: ranks built differently)."""
     for _, rank, (_, _, error) in records:
         if error is not None:
             kind = TypeError if error[0] == "TypeError" else ValueError
@@ -202,8 +208,10 @@ def _check_all(records: list, ranks: tuple[int, ...]) -> None:
         for member, value, rank in known[1:]:
             a, (seen, seen_rank) = known[0][0], known[0][1:]
             if value != seen:
-                raise ValueError(
+                raise PlacementError(
                     f"{describe(tie, t)}: stage {a.stage}'s {a.name!r} (rank {seen_rank}) is "
-                    f"{seen[0]} {seen[1]} with {seen[2]} gradients, stage {member.stage}'s "
-                    f"{member.name!r} (rank {rank}) {value[0]} {value[1]} with {value[2]}; "
-                    f"tied leaves must have equal shape and dtype")
+                    f"{seen[3]}, {seen[0]} {seen[1]} with {seen[2]} gradients, stage "
+                    f"{member.stage}'s {member.name!r} (rank {rank}) {value[3]}, {value[0]} "
+                    f"{value[1]} with {value[2]}; tied leaves must have equal shape and "
+                    f"dtype, and be trained or frozen alike (a tied weight is one tensor; "
+                    f"no step was run)")
