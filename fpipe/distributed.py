@@ -51,6 +51,7 @@ from fpipe._runtime.ranks.results import Replica, Results
 from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe._runtime.ranks.two_calls import two_calls
 from fpipe._runtime.rng import StepSeed
+from fpipe._runtime.sources import follow, hooked_by_stage, sources_of
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
 from fpipe.errors import PlacementError
@@ -228,6 +229,8 @@ class DistributedPipeline:
         if self._sharded is not None:
             self.params = self._sharded.params
         self._accumulated = Accumulated(len(stages))
+        # The model parameters the held leaves were cut from (fpipe._runtime.sources).
+        self._sources = sources_of(stages, [self.params.get(s) for s in range(len(stages))])
         self._times = StepTimes()
         self.step_log = StepLog()  #: as :attr:`fpipe.Pipeline.step_log`, for this rank
         logger.info("%r: ranks %s%s", self, list(self.ranks),
@@ -285,7 +288,9 @@ class DistributedPipeline:
         carry = None if accumulate else self._accumulated.carry()
         step, (loss, parts), replica = self._step(self.program, True, x, target, params, state,
                                                   record, tokens, accumulate, carry)
-        grads = None if accumulate else self._results.grads(step, replica, carry)
+        grads = None if accumulate else hooked_by_stage(
+            self._results.grads(step, replica, carry), self.params if params is None else params,
+            self._sources)
         loss = self._results.loss(loss, replica)
         if self.nonfinite == "raise":
             self._results.refuse_nonfinite(parts, loss, replica)
@@ -391,6 +396,8 @@ class DistributedPipeline:
         check_call(self._sharded, params, call == 2)
         self._accumulated.check_call(call == 2)
         leaves = None if self._sharded else self.held.param_leaves(params, self.params)
+        if leaves is not None and any(self._sources):
+            leaves = follow(leaves, self._sources)
         states = self.held.states(state, self.state)
         training = call > 0
         if training:

@@ -29,7 +29,7 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
-from fpipe._runtime.sources import follow, hooked
+from fpipe._runtime.sources import follow, hooked, sources_of
 from fpipe._runtime.ties import TieSums
 from fpipe._runtime.trees import tree_map
 from fpipe._runtime.values import param_leaves
@@ -181,7 +181,7 @@ class Pipeline:
         check_params(dict(enumerate(params)), self.devices)
         self._ties = TieSums(ties, params, grad_dtype)
         check_ties_given(stages, ties)
-        self._sources = _sources(stages, params)
+        self._sources = sources_of(stages, params)
         self.state = None
         if state is not None:
             check_state(dict(enumerate(state)), self.devices)
@@ -381,19 +381,3 @@ def _unpacked(cut: Stages, params: Any, state: Any, ties: Any) -> tuple:
     return (cut.stages, cut.params, cut.state if state is None else state,
             cut.ties if ties is None else ties)
 
-
-def _sources(stages: Sequence[Any], params: Sequence[Any]) -> list:
-    """Per stage, the model parameter each of its leaves was cut from (``None`` where none):
-    the leaves of a stage whose ``sources()`` names them (``fpipe.stages``' module stages),
-    for :mod:`fpipe._runtime.sources`."""
-    found = []
-    for stage, tree in zip(stages, params):
-        named = getattr(stage, "sources", None)
-        if named is None or not isinstance(tree, Mapping):
-            found.append(None)
-            continue
-        by_name = named()
-        paths, _, _ = optree.tree_flatten_with_path(tree)
-        aligned = [by_name.get(path[0]) if len(path) == 1 else None for path in paths]
-        found.append(aligned if any(t is not None for t in aligned) else None)
-    return found

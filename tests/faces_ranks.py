@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from distributed_ranks import _outcome, data
+from torch import nn
 from models import block, mlp_params, mse
 
 import fpipe.distributed as fdist
@@ -54,11 +55,49 @@ def run(build, args, params_of) -> dict:
         out["ragged input"] = _outcome(lambda: pipe.value_and_grad(*args(ragged, target)))
         out["unbatched target"] = _outcome(lambda: pipe.value_and_grad(*args(x, {"t": 3.0})))
         out["bad batch after"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+    out.update(idioms(build, args, params_of, x, target))
     cursed_x = x.clone()
     cursed_x[2, 0] = 99
     with build([cursed, block], params_of(full), loss_fn=mse) as pipe:
         out["raises"] = _outcome(lambda: pipe.value_and_grad(*args(cursed_x, target)))
     return out
+
+
+def idioms(build, args, params_of, x, target) -> dict:
+    """A model cut by from_sequential: a gradient hook registered on the model's parameter
+    after the cut, then the other layer frozen in the model after a step; and a cut with a
+    tie given without it."""
+    from fpipe.stages import from_modules, from_sequential
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8))).double()
+    s = from_sequential(model, [1, 1], stateful=False)
+    mask = (torch.arange(64).reshape(8, 8) % 3 != 0).double()
+    model[0].weight.register_hook(lambda g: g * mask)
+    out = {}
+    with build(s.stages, params_of(s.params), loss_fn=mse) as pipe:
+        out["hooked"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+        model[1].requires_grad_(False)
+        out["frozen later"] = _outcome(lambda: pipe.value_and_grad(*args(x, target)))
+    shared = nn.Linear(8, 8).double()
+    tied = from_modules([shared, nn.Sequential(nn.Tanh(), shared)], stateful=False)
+    out["forgotten tie"] = _outcome(lambda: build(tied.stages, params_of(tied.params),
+                                                  loss_fn=mse))
+    return out
+
+
+def idioms_only(rank: int, world: int) -> dict:
+    schedule = one_f_one_b(chunks=2)
+
+    def build(stages, params, **options):
+        return fdist.pipeline(stages, params, schedule=schedule, timeout=20, **options)
+
+    def args(x, target):
+        return x if rank == 0 else None, target if rank == 1 else None
+
+    x, target = data(4, 8, seed=40)
+    return idioms(build, args, lambda trees: {s: t for s, t in enumerate(trees) if s == rank},
+                  x, target)
 
 
 def faces(rank: int, world: int) -> dict:

@@ -30,7 +30,7 @@ def faces():
 
 def test_equal_results(faces):
     local, ranks = faces
-    for case in ("ok", "after", "grad_dtype"):
+    for case in ("ok", "after", "grad_dtype", "hooked", "frozen later"):
         assert local[case][0] == "ok", (case, local[case])
         loss, grads = local[case][1]
         for rank, result in enumerate(ranks):
@@ -44,7 +44,7 @@ def test_equal_results(faces):
 
 
 @pytest.mark.parametrize("case", ["small", "nonfinite", "inference mode", "no loss",
-                                  "no stages"])
+                                  "no stages", "forgotten tie"])
 def test_the_same_error_on_every_rank(faces, case):
     """Errors every rank can see for itself: the same type and message as the local face."""
     local, ranks = faces
@@ -94,3 +94,16 @@ def test_an_input_or_target_without_one_batch_size_stops_every_rank_alike(faces,
     for result in (local, *ranks):
         assert result["bad batch after"][0] == "ok", result["bad batch after"]
 
+
+
+def test_a_cut_models_hooks_and_late_freeze_apply_in_both_faces(faces):
+    """The local face is compared with plain PyTorch in test_module_idioms.py; here both faces
+    show the hook (masked entries' gradients zero) and the freeze (``None``) alike."""
+    local, ranks = faces
+    (_, hooked), (_, frozen) = local["hooked"][1], local["frozen later"][1]
+    masked = torch.arange(64).reshape(8, 8) % 3 == 0
+    assert torch.count_nonzero(hooked[0]["0.weight"][masked]) == 0
+    assert torch.count_nonzero(hooked[0]["0.weight"][~masked]) == (~masked).sum()
+    assert frozen[1] == {"1.1.weight": None, "1.1.bias": None}
+    assert frozen[0]["0.weight"] is not None
+    assert ranks[1]["frozen later"][1][1] == {1: {"1.1.weight": None, "1.1.bias": None}}

@@ -12,19 +12,39 @@ parameter) and the leaf itself:
   in registration order, once per step on the step's whole gradient (ties summed first), as
   autograd runs a leaf's hooks on the gradient it accumulates.
 
-Sources are data handed over by the face (one list per stage, aligned with its leaves, ``None``
-for a leaf without one); the runtime knows nothing of modules.
+Sources are data: one list per stage, aligned with its leaves, ``None`` for a leaf without one,
+read once from the stages that name them (``stage.sources()``, as ``fpipe.stages``' module
+stages do); the runtime knows nothing of modules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import optree
 import torch
 
-__all__ = ["follow", "hooked"]
+__all__ = ["sources_of", "follow", "hooked", "hooked_by_stage"]
 
 Sources = Sequence[Sequence[torch.Tensor | None] | None]
+
+
+def sources_of(stages: Sequence[Any], params: Sequence[Any]) -> list:
+    """Per stage, the tensor each of its parameter leaves was cut from (``None`` where none,
+    and for a stage whose ``params`` is ``None``: not held here): a leaf of a dict of
+    parameters whose stage's ``sources()`` names it."""
+    found: list = []
+    for stage, tree in zip(stages, params):
+        named = getattr(stage, "sources", None)
+        if named is None or not isinstance(tree, Mapping):
+            found.append(None)
+            continue
+        by_name = named()
+        paths, _, _ = optree.tree_flatten_with_path(tree)
+        aligned = [by_name.get(path[0]) if len(path) == 1 else None for path in paths]
+        found.append(aligned if any(t is not None for t in aligned) else None)
+    return found
 
 
 def follow(leaves: list[list], sources: Sources) -> list[list]:
@@ -41,7 +61,7 @@ def follow(leaves: list[list], sources: Sources) -> list[list]:
             if isinstance(leaf, torch.nn.Parameter) and not leaf.requires_grad:
                 continue
             if out is leaves:
-                out = [list(stage) for stage in leaves]
+                out = [None if stage is None else list(stage) for stage in leaves]
             out[s][i] = torch.nn.Parameter(leaf.detach(), requires_grad=False)
     return out
 
@@ -68,6 +88,18 @@ def hooked(grads: list[list], params: list[list], sources: Sources) -> list[list
                 out = [list(g) for g in grads]
             out[s][i] = grad
     return out
+
+
+def hooked_by_stage(grads: Mapping[int, Any], params: Mapping[int, Any],
+                    sources: Sources) -> dict[int, Any]:
+    """:func:`hooked` on a rank's ``{stage: gradient pytree}`` (``fpipe.distributed``), with
+    ``params`` its ``{stage: parameter pytree}`` and ``sources`` per stage of the pipeline."""
+    held = sorted(grads)
+    flat = [optree.tree_flatten(grads[s], none_is_leaf=True) for s in held]
+    through = hooked([leaves for leaves, _ in flat], [optree.tree_leaves(params[s]) for s in held],
+                     [sources[s] for s in held])
+    return {s: optree.tree_unflatten(spec, leaves)
+            for s, (_, spec), leaves in zip(held, flat, through)}
 
 
 def _hooks(tensor: object) -> list:
