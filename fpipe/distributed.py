@@ -385,7 +385,8 @@ class DistributedPipeline:
         """A new step, agreed with every rank (the header), its channel, and with data
         parallelism in training (or with state), this replica's share of the global batch and
         its gradients' reduction (none when ``accumulate``; ``carry`` added to it)."""
-        check_untransformed("a distributed pipeline's call", x)
+        check_untransformed("a distributed pipeline's call", x, target=target, params=params,
+                            state=state)
         check_call(self._sharded, params, call == 2)
         self._accumulated.check_call(call == 2)
         leaves = None if self._sharded else self.held.param_leaves(params, self.params)

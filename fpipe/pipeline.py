@@ -29,6 +29,7 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.step import plus
 from fpipe._runtime.ties import TieSums
 from fpipe._runtime.trees import tree_map
 from fpipe._runtime.values import param_leaves
@@ -184,6 +185,7 @@ class Pipeline:
                                    skips=declared(self.stages))
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
+        self._accumulated: list | None = None  # value_and_grad(accumulate=True)'s sums
         self._times = StepTimes()
         #: How each step is reported: its log level, and whether its bubble is measured.
         self.step_log = StepLog()
@@ -223,13 +225,21 @@ class Pipeline:
     def value_and_grad(self, x: Any, target: Any = None, *,
                        params: Sequence[Any] | None = None,
                        state: Sequence[Any] | None = None,
-                       record: Recorder | None = None, tokens: int | None = None) -> tuple:
+                       record: Recorder | None = None, tokens: int | None = None,
+                       accumulate: bool = False) -> tuple:
         """The mean loss over the batch and its gradient with respect to every stage's
         parameters, as a list of pytrees shaped like ``params`` (and the new state, for a
         stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the step's
-        timeline; ``tokens``, the batch's token count, for :attr:`last_step`."""
+        timeline; ``tokens``, the batch's token count, for :attr:`last_step`.
+
+        ``accumulate=True``: keep this call's gradients (``None`` is returned for them) and
+        add them into the next call's; the first call without it returns the sum over the
+        calls since the last one that returned gradients, each call's weighted as its own
+        would be (the gradient of its own mean loss), as ``fpipe.distributed``'s pipeline
+        does. Until then :meth:`vjp` is refused."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
+        check_untransformed("Pipeline value_and_grad", target=target)
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state, training=True,
                                                              entry="value_and_grad")
         if target is None:
@@ -248,8 +258,17 @@ class Pipeline:
         if error is not None:
             raise error
         loss = returned_loss(losses.sum())
-        grads = self._grad_trees(result.grads)
+        grads = self._carried(result.grads, accumulate)
         return (loss, grads, result.state) if self.stateful else (loss, grads)
+
+    def _carried(self, grads: list, accumulate: bool) -> list | None:
+        """A training call's flat gradients, added to those kept by the calls before it that
+        accumulated: kept again (``None`` returned) when it accumulates too, else returned as
+        pytrees (:meth:`_grad_trees`) and the sums dropped."""
+        if self._accumulated is not None:
+            grads = [plus(kept, new) for kept, new in zip(self._accumulated, grads)]
+        self._accumulated = grads if accumulate else None
+        return None if accumulate else self._grad_trees(grads)
 
     def vjp(self, x: Any, *, params: Sequence[Any] | None = None,
             state: Sequence[Any] | None = None) -> tuple:
@@ -262,6 +281,9 @@ class Pipeline:
         at leaves that carry no gradient. A stateful pipeline returns
         ``(y, vjp_fn, new_state)``.
         """
+        if self._accumulated is not None:
+            raise RuntimeError("gradients of value_and_grad(..., accumulate=True) wait for a "
+                               "last value_and_grad call; vjp cannot add to them")
         leaves, states, _, inputs, sizes = self._step_inputs(x, params, state, training=True,
                                                              entry="vjp")
         step = self._driver.begin(self.program, leaves, states, inputs, sizes)
@@ -270,6 +292,7 @@ class Pipeline:
         used = []
 
         def vjp_fn(cotangent: Any) -> tuple[list, Any]:
+            check_untransformed("Pipeline vjp_fn", cotangent=cotangent)
             if used:
                 raise RuntimeError("this vjp function was called already: a pipeline step "
                                    "runs its backward once")
@@ -286,7 +309,7 @@ class Pipeline:
                      entry: str = "pipe(x)") -> tuple:
         """What every call starts from: parameter leaves, states, the batch size, the input's
         micro-batches (flattened, on the first stage's device) and their sizes."""
-        check_untransformed(f"Pipeline {entry}", x)
+        check_untransformed(f"Pipeline {entry}", x, params=params, state=state)
         if training:
             check_training()
         leaves, states = self._param_leaves(params), self._state(state)
