@@ -57,6 +57,7 @@ from fpipe.errors import PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.stages import Stages
+from fpipe.stages.sequential import check_state_given
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
@@ -181,6 +182,7 @@ class DistributedPipeline:
             ties = stages.ties if ties is None else ties
         self.stages = stages = list(stages.stages if isinstance(stages, Stages) else stages)
         check_stages(stages)
+        check_state_given(stages, state is not None)
         program = program_of(schedule, len(stages))
         # Validated and compiled once, before anything reads the placement.
         self._compiled: dict = {}

@@ -35,6 +35,7 @@ from fpipe._runtime.trees import tree_map
 from fpipe._runtime.values import param_leaves
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program, program_of
+from fpipe.stages.sequential import check_state_given
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
@@ -151,6 +152,7 @@ class Pipeline:
                              f"give one pytree per stage (an empty dict for a stage without "
                              f"parameters)")
         check_stages(stages)
+        check_state_given(stages, state is not None)
         if devices is not None and len(devices) != len(stages):
             raise ValueError(f"got {len(stages)} stages but {len(devices)} devices")
         if state is not None and len(state) != len(stages):
