@@ -16,8 +16,9 @@ from torch.autograd import profiler
 from fpipe._runtime.autodiff import StageCall
 from fpipe._runtime.rng import UnseededDraws
 from fpipe._runtime.step import Channel, Step
-from fpipe._runtime.values import Value, describe
-from fpipe.errors import StageError, Where, locate
+from fpipe._runtime.adapters import summary
+from fpipe._runtime.values import Value
+from fpipe.errors import LOSS, StageError, Where, locate
 from fpipe.recompute import checkpointing, recomputing
 from fpipe.schedules.actions import Action, Op, Program
 from fpipe.schedules.validate import validate
@@ -358,12 +359,14 @@ def located(exc: BaseException, kind: Kind | None, stage: int | None,
     the input's floating dtypes are none of the stage's parameters', what to do about it."""
     if isinstance(exc, UnseededDraws) or stage is None:
         return exc
-    op = kind.name if kind is not None else "setup"
-    received = f"its input, from stage {stage - 1}: {describe(x.tree())}" \
-        if x is not None and stage else None
+    loss = getattr(exc, "fpipe_loss", None)  # raised inside loss_fn (adapters.in_loss)
+    op = LOSS if loss else kind.name if kind is not None else "setup"
+    received = loss or (f"its input, from stage {stage - 1}: {summary(x.tree())}"
+                        if x is not None and stage else None)
+    at = Where(stage, microbatch, op)
     if isinstance(exc, StageError):
         if exc.stage is None:
-            message = f"stage {stage} failed in the {op} of micro-batch {microbatch}: {exc}"
+            message = f"{at.failed()}: {exc}"
             if received:
                 message += f"\n  {received}"
             located = StageError(message, stage, microbatch, op)
@@ -371,13 +374,23 @@ def located(exc: BaseException, kind: Kind | None, stage: int | None,
             return located
         return exc
     if getattr(exc, "fpipe_where", None) is None:
-        locate(exc, Where(stage, microbatch, op))
-        if received and hasattr(exc, "add_note"):
-            exc.add_note(f"fpipe: {received}")
-        hint = dtype_hint(stage, x, params)
-        if hint and hasattr(exc, "add_note"):
-            exc.add_note(f"fpipe: {hint}")
+        locate(exc, at)
+        hints = [received, None if loss else dtype_hint(stage, x, params),
+                 device_hint(stage, exc, params)]
+        for hint in hints:
+            if hint and hasattr(exc, "add_note"):
+                exc.add_note(f"fpipe: {hint}")
     return exc
+
+
+def device_hint(stage: int, exc: BaseException, params: list | None) -> str | None:
+    """For an error about devices: where the stage's parameters are (its input is moved there
+    before it runs; tensors the stage makes itself are not)."""
+    held = sorted({str(t.device) for t in params or () if isinstance(t, torch.Tensor)})
+    if "device" not in str(exc) or not held:
+        return None
+    return (f"stage {stage}'s parameters are on {'/'.join(held)}, where fpipe moves its input; "
+            f"a tensor the stage makes itself must be made there too (e.g. device=x.device)")
 
 
 def dtype_hint(stage: int, x: Value | None, params: list | None) -> str | None:
