@@ -342,6 +342,33 @@ MUTANTS = (
            "record = (\"peer\", self.rank if culprit is None else culprit,",
            "record = (\"peer\", self.rank,",
            ("tests/test_culprit.py",)),
+    # -- issue 34: accumulation, stateless cuts, dual tensors, where a loss failed ---------------
+    Mutant("bind_grads keeps a stale .grad under a None gradient", "optim.py",
+           "        for leaf, grad in zip(leaves, grad_leaves):\n            leaf.grad = grad\n",
+           "        for leaf, grad in zip(leaves, grad_leaves):\n            if grad is not None:\n"
+           "                leaf.grad = grad\n",
+           ("tests/test_optim.py",)),
+    Mutant("bind_grads(accumulate=True) binds the first gradient itself", "optim.py",
+           "leaf.grad = grad.detach().clone()", "leaf.grad = grad",
+           ("tests/test_optim.py",)),
+    Mutant("value_and_grad(accumulate=True) keeps nothing", "pipeline.py",
+           "self._accumulated = grads if accumulate else None", "self._accumulated = None",
+           ("tests/test_optim.py",)),
+    Mutant("a dual tensor in the target let through", "pipeline.py",
+           'check_untransformed("Pipeline value_and_grad", target=target)',
+           'check_untransformed("Pipeline value_and_grad")',
+           ("tests/test_dual.py",)),
+    Mutant("a model without buffers cut into stateful stages", "stages/sequential.py",
+           "stateful = any(next(m.buffers(), None) is not None for m in modules)",
+           "stateful = True",
+           ("tests/test_stages_sequential.py",)),
+    Mutant("stateful module stages built without state= let through", "stages/sequential.py",
+           "        if takes is None or takes == stateful:", "        if True:",
+           ("tests/test_stages_sequential.py",)),
+    Mutant("an exception in loss_fn located in the last stage's forward",
+           "_runtime/instructions.py",
+           'loss = getattr(exc, "fpipe_loss", None)', "loss = None",
+           ("tests/test_messages.py",)),
 )
 
 
