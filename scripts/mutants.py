@@ -272,7 +272,7 @@ MUTANTS = (
     Mutant("params given as a dict read as a list of its keys", "pipeline.py",
            "        if isinstance(params, Mapping):\n", "        if False:\n",
            ("tests/test_messages.py",)),
-    Mutant("no note on stages of different dtypes", "_runtime/instructions.py",
+    Mutant("no note on stages of different dtypes", "_runtime/notes.py",
            "if not given or not held or given & held:", "if True:",
            ("tests/test_messages.py",)),
     Mutant("a distributed script without torchrun left to torch's error", "distributed.py",

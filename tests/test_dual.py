@@ -146,19 +146,21 @@ def dual_ranks(rank: int, world: int) -> dict:
         schedule = colocate(gpipe(chunks=2), [0, 0])
         with fdist.pipeline([stage] * 2, dict(enumerate(params)), schedule=schedule,
                             loss_fn=loss_fn, timeout=60) as pipe:
+            box = BOXES[kind][0]
             for call, (_, run) in CALLS.items():
                 vjp_fn = None
                 with fwAD.dual_level():
                     try:
                         if call == "vjp_fn, cotangent":  # kept, to finish the step below
-                            _, vjp_fn = pipe.vjp(BOXES[kind][0](x))
-                            run = lambda *_: vjp_fn(BOXES[kind][0](dual(torch.ones_like(x))))  # noqa: E731
-                        run(_Keyed(pipe), params, kind, x, target)
+                            _, vjp_fn = pipe.vjp(box(x))
+                            vjp_fn(box(dual(torch.ones_like(x))))
+                        else:
+                            run(_Keyed(pipe), params, kind, x, target)
                         refused[call, kind] = None
                     except RuntimeError as exc:
                         refused[call, kind] = str(exc)
                 if vjp_fn is not None:  # refused before it ran: it takes a plain cotangent
-                    vjp_fn(BOXES[kind][0](torch.ones_like(x)))
+                    vjp_fn(box(torch.ones_like(x)))
             loss, _ = pipe.value_and_grad(BOXES[kind][0](x), BOXES[kind][0](target))
             refused["loss", kind] = float(loss)
     return refused

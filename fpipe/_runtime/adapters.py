@@ -19,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 
 from fpipe._runtime.compiled import batch_dynamic, is_compiled
+from fpipe._runtime.notes import summary
 from fpipe._runtime.values import check_output, differentiable, flatten
 from fpipe.errors import StageError
 
 __all__ = ["MicroBatch", "Core", "user_core", "dynamic_batch", "with_loss", "core_of",
-           "in_loss", "summary"]
+           "in_loss"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,17 +126,6 @@ def in_loss(exc: BaseException, y: Any, target: Any) -> BaseException:
     except (AttributeError, TypeError):
         pass
     return exc
-
-
-def summary(tree: Any) -> str:
-    """Shapes, dtypes and devices of a pytree's tensor leaves, for error messages: a device
-    mismatch names the devices involved."""
-    def one(leaf: Any) -> str:
-        if isinstance(leaf, torch.Tensor):
-            return f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')} on " \
-                   f"{leaf.device}"
-        return repr(leaf)
-    return str(optree.tree_map(one, tree, none_is_leaf=True))
 
 
 def _pair(result: Any, message: str) -> tuple[Any, Any]:

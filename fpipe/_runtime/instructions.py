@@ -10,13 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 from torch.autograd import profiler
 
 from fpipe._runtime.autodiff import StageCall
+from fpipe._runtime.notes import device_hint, dtype_hint, summary
 from fpipe._runtime.rng import UnseededDraws
 from fpipe._runtime.step import Channel, Step
-from fpipe._runtime.adapters import summary
 from fpipe._runtime.values import Value
 from fpipe.errors import LOSS, StageError, Where, locate
 from fpipe.recompute import checkpointing, recomputing
@@ -382,28 +381,3 @@ def located(exc: BaseException, kind: Kind | None, stage: int | None,
                 exc.add_note(f"fpipe: {hint}")
     return exc
 
-
-def device_hint(stage: int, exc: BaseException, params: list | None) -> str | None:
-    """For an error about devices: where the stage's parameters are (its input is moved there
-    before it runs; tensors the stage makes itself are not)."""
-    held = sorted({str(t.device) for t in params or () if isinstance(t, torch.Tensor)})
-    if "device" not in str(exc) or not held:
-        return None
-    return (f"stage {stage}'s parameters are on {'/'.join(held)}, where fpipe moves its input; "
-            f"a tensor the stage makes itself must be made there too (e.g. device=x.device)")
-
-
-def dtype_hint(stage: int, x: Value | None, params: list | None) -> str | None:
-    """Why a stage whose input and parameters differ in floating dtype may have failed, and
-    the remedies: fpipe hands values between stages as they are and casts nothing."""
-    def floating(leaves: list | None) -> set:
-        return {str(t.dtype).removeprefix("torch.") for t in leaves or ()
-                if isinstance(t, torch.Tensor) and t.is_floating_point()}
-
-    given, held = floating(None if x is None else x.leaves), floating(params)
-    if not given or not held or given & held:
-        return None
-    return (f"stage {stage}'s input is {'/'.join(sorted(given))} but its parameters are "
-            f"{'/'.join(sorted(held))}; fpipe hands tensors between stages as they are: cast "
-            f"the parameters alike (fpipe.amp.cast(params, dtype)), cast the input in the stage, "
-            f"or run the step under torch.autocast")
