@@ -58,7 +58,7 @@ from fpipe.errors import PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
 from fpipe.stages import Stages
-from fpipe.stages.sequential import check_ties_given
+from fpipe.stages.sequential import check_state_given, check_ties_given
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
@@ -184,6 +184,7 @@ class DistributedPipeline:
         self.stages = stages = list(stages.stages if isinstance(stages, Stages) else stages)
         check_stages(stages)
         check_ties_given(stages, ties)
+        check_state_given(stages, state is not None)
         program = program_of(schedule, len(stages))
         # Validated and compiled once, before anything reads the placement.
         self._compiled: dict = {}
@@ -392,7 +393,8 @@ class DistributedPipeline:
         """A new step, agreed with every rank (the header), its channel, and with data
         parallelism in training (or with state), this replica's share of the global batch and
         its gradients' reduction (none when ``accumulate``; ``carry`` added to it)."""
-        check_untransformed("a distributed pipeline's call", x)
+        check_untransformed("a distributed pipeline's call", x, target=target, params=params,
+                            state=state)
         check_call(self._sharded, params, call == 2)
         self._accumulated.check_call(call == 2)
         leaves = None if self._sharded else self.held.param_leaves(params, self.params)

@@ -35,8 +35,9 @@ class PlacementError(ValueError):
 
 class Where(NamedTuple):
     """Where a step failed: the stage, the micro-batch, the op ("forward", "recompute",
-    "backward", "input-gradient backward", "weight-gradient backward") and, in a distributed
-    pipeline, the rank."""
+    "backward", "input-gradient backward", "weight-gradient backward", or "loss": inside
+    ``loss_fn``, called on the last stage's output) and, in a distributed pipeline, the
+    rank."""
 
     stage: int | None
     microbatch: int | None
@@ -45,7 +46,22 @@ class Where(NamedTuple):
 
     def __str__(self) -> str:
         on = "" if self.rank is None else f" on rank {self.rank}"
+        if self.op == LOSS:
+            return f"loss_fn of micro-batch {self.microbatch} (on stage {self.stage}'s " \
+                   f"output{on})"
         return f"stage {self.stage}, {self.op} of micro-batch {self.microbatch}{on}"
+
+    def failed(self) -> str:
+        """What failed, where, as a message starts: "stage 2 failed in the forward of
+        micro-batch 0", or "loss_fn failed on micro-batch 0 (on stage 2's output)"."""
+        if self.op == LOSS:
+            return f"loss_fn failed on micro-batch {self.microbatch} (on stage {self.stage}'s " \
+                   f"output)"
+        return f"stage {self.stage} failed in the {self.op} of micro-batch {self.microbatch}"
+
+
+#: :attr:`Where.op` of a failure inside ``loss_fn``.
+LOSS = "loss"
 
 
 def where(error: BaseException) -> Where | None:

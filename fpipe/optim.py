@@ -25,7 +25,7 @@ from fpipe._runtime.trees import leaf_names, stage_items
 __all__ = ["bind_grads", "sgd", "global_norm", "clip_grad_norm"]
 
 
-def bind_grads(params: Any, grads: Any) -> None:
+def bind_grads(params: Any, grads: Any, *, accumulate: bool = False) -> None:
     """Set ``leaf.grad`` of every parameter leaf to its gradient, for ``torch.optim``:
 
         optimizer = torch.optim.AdamW(optree.tree_leaves(params))
@@ -33,12 +33,30 @@ def bind_grads(params: Any, grads: Any) -> None:
         bind_grads(params, grads); optimizer.step()
 
     A leaf whose gradient is ``None`` (frozen, or used by no stage) gets ``.grad = None``, so
-    ``torch.optim`` leaves it alone, weight decay included, as after ``loss.backward()``.
+    ``torch.optim`` leaves it alone, weight decay included, as after ``loss.backward()``; a
+    ``.grad`` left from an earlier step is cleared. ``.grad`` is then the pipeline's gradient
+    tensor itself, not a copy.
+
+    ``accumulate=True`` adds into ``.grad`` as ``loss.backward()`` does, for several calls
+    before one optimiser step: a leaf without ``.grad`` gets a copy of its gradient (so a
+    later add never writes into a tensor the pipeline returned), one with ``.grad`` has the
+    gradient added in place, and a ``None`` gradient leaves ``.grad`` as it is (a leaf that
+    call did not use). Clear the sums between steps with ``optimizer.zero_grad()``.
     """
     leaves, spec = optree.tree_flatten(params)
     grad_leaves = spec.flatten_up_to(grads)
-    for leaf, grad in zip(leaves, grad_leaves):
-        leaf.grad = grad
+    if not accumulate:
+        for leaf, grad in zip(leaves, grad_leaves):
+            leaf.grad = grad
+        return
+    with torch.no_grad():
+        for leaf, grad in zip(leaves, grad_leaves):
+            if grad is None:
+                continue
+            if leaf.grad is None:
+                leaf.grad = grad.detach().clone()
+            else:
+                leaf.grad.add_(grad)
 
 
 def sgd(params: Any, grads: Any, lr: float) -> Any:

@@ -30,12 +30,13 @@ from fpipe._runtime.engine import (
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
 from fpipe._runtime.sources import follow, hooked, sources_of
+from fpipe._runtime.step import plus
 from fpipe._runtime.ties import TieSums
 from fpipe._runtime.trees import tree_map
 from fpipe._runtime.values import param_leaves
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program, program_of
-from fpipe.stages.sequential import Stages, check_ties_given
+from fpipe.stages.sequential import Stages, check_state_given, check_ties_given
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
@@ -162,6 +163,7 @@ class Pipeline:
                              f"give one pytree per stage (an empty dict for a stage without "
                              f"parameters)")
         check_stages(stages)
+        check_state_given(stages, state is not None)
         if devices is not None and len(devices) != len(stages):
             raise ValueError(f"got {len(stages)} stages but {len(devices)} devices")
         if state is not None and len(state) != len(stages):
@@ -198,6 +200,7 @@ class Pipeline:
                                    skips=declared(self.stages))
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
+        self._accumulated: list | None = None  # value_and_grad(accumulate=True)'s sums
         self._times = StepTimes()
         #: How each step is reported: its log level, and whether its bubble is measured.
         self.step_log = StepLog()
@@ -237,13 +240,21 @@ class Pipeline:
     def value_and_grad(self, x: Any, target: Any = None, *,
                        params: Sequence[Any] | None = None,
                        state: Sequence[Any] | None = None,
-                       record: Recorder | None = None, tokens: int | None = None) -> tuple:
+                       record: Recorder | None = None, tokens: int | None = None,
+                       accumulate: bool = False) -> tuple:
         """The mean loss over the batch and its gradient with respect to every stage's
         parameters, as a list of pytrees shaped like ``params`` (and the new state, for a
         stateful pipeline). A :class:`fpipe.Recorder` passed as ``record`` receives the step's
-        timeline; ``tokens``, the batch's token count, for :attr:`last_step`."""
+        timeline; ``tokens``, the batch's token count, for :attr:`last_step`.
+
+        ``accumulate=True``: keep this call's gradients (``None`` is returned for them) and
+        add them into the next call's; the first call without it returns the sum over the
+        calls since the last one that returned gradients, each call's weighted as its own
+        would be (the gradient of its own mean loss), as ``fpipe.distributed``'s pipeline
+        does. Until then :meth:`vjp` is refused."""
         if self.loss_fn is None:
             raise ValueError("value_and_grad needs a loss: build the pipeline with loss_fn=...")
+        check_untransformed("Pipeline value_and_grad", target=target)
         leaves, states, n, inputs, sizes = self._step_inputs(x, params, state, training=True,
                                                              entry="value_and_grad")
         if target is None:
@@ -262,8 +273,17 @@ class Pipeline:
         if error is not None:
             raise error
         loss = returned_loss(losses.sum())
-        grads = self._grad_trees(result.grads, self.params if params is None else params)
+        grads = self._carried(result.grads, accumulate, self.params if params is None else params)
         return (loss, grads, result.state) if self.stateful else (loss, grads)
+
+    def _carried(self, grads: list, accumulate: bool, params: Sequence[Any]) -> list | None:
+        """A training call's flat gradients, added to those kept by the calls before it that
+        accumulated: kept again (``None`` returned) when it accumulates too, else returned as
+        pytrees (:meth:`_grad_trees`) and the sums dropped."""
+        if self._accumulated is not None:
+            grads = [plus(kept, new) for kept, new in zip(self._accumulated, grads)]
+        self._accumulated = grads if accumulate else None
+        return None if accumulate else self._grad_trees(grads, params)
 
     def vjp(self, x: Any, *, params: Sequence[Any] | None = None,
             state: Sequence[Any] | None = None) -> tuple:
@@ -276,6 +296,9 @@ class Pipeline:
         at leaves that carry no gradient. A stateful pipeline returns
         ``(y, vjp_fn, new_state)``.
         """
+        if self._accumulated is not None:
+            raise RuntimeError("gradients of value_and_grad(..., accumulate=True) wait for a "
+                               "last value_and_grad call; vjp cannot add to them")
         leaves, states, _, inputs, sizes = self._step_inputs(x, params, state, training=True,
                                                              entry="vjp")
         step = self._driver.begin(self.program, leaves, states, inputs, sizes)
@@ -284,6 +307,7 @@ class Pipeline:
         used = []
 
         def vjp_fn(cotangent: Any) -> tuple[list, Any]:
+            check_untransformed("Pipeline vjp_fn", cotangent=cotangent)
             if used:
                 raise RuntimeError("this vjp function was called already: a pipeline step "
                                    "runs its backward once")
@@ -300,7 +324,7 @@ class Pipeline:
                      entry: str = "pipe(x)") -> tuple:
         """What every call starts from: parameter leaves, states, the batch size, the input's
         micro-batches (flattened, on the first stage's device) and their sizes."""
-        check_untransformed(f"Pipeline {entry}", x)
+        check_untransformed(f"Pipeline {entry}", x, params=params, state=state)
         if training:
             check_training()
         leaves, states = self._param_leaves(params), self._state(state)

@@ -115,7 +115,8 @@ def test_loss_not_a_scalar():
         return ((y - t) ** 2).mean(dim=1)
     with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2),
                         loss_fn=per_sample) as pipe:
-        with pytest.raises(StageError, match=r"stage 1 .*scalar \(0-dim\) tensor, got \(3,\)"):
+        with pytest.raises(StageError, match=r"loss_fn failed on micro-batch 0 \(on stage 1's "
+                                             r"output\): .*scalar \(0-dim\) tensor, got \(3,\)"):
             pipe.value_and_grad(*data())
 
 

@@ -83,3 +83,54 @@ def test_help_names_the_autodiff_default_the_signature_has():
                       for option in re.split(r";\s+or\s+", text)
                       if re.search(r"(?<!not )the default", option)]
     assert called_default == [default] == ["autograd"]
+
+
+# -- where an error was raised, said as a newcomer needs it (issue 34) ----------------------------
+
+def test_an_error_inside_loss_fn_is_reported_as_raised_in_the_loss_with_its_arguments():
+    def loss_fn(y, target):
+        return {"mse": mse}["mae"](y, target)  # the user's own slip, inside the loss
+
+    x, target = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    with fpipe.pipeline([block] * 3, mlp_params(3), schedule=gpipe(chunks=2),
+                        loss_fn=loss_fn) as pipe:
+        with pytest.raises(KeyError, match="mae") as info:
+            pipe.value_and_grad(x, target)
+    assert fpipe.errors.where(info.value) == fpipe.errors.Where(2, 0, "loss")
+    notes = info.value.__notes__
+    assert notes == ["fpipe: raised in loss_fn of micro-batch 0 (on stage 2's output)",
+                     "fpipe: loss_fn(y, target) was given y Tensor(2, 8) float64 on cpu and "
+                     "target Tensor(2, 5) float64 on cpu"]
+
+
+def test_a_loss_that_is_not_a_scalar_is_reported_as_the_loss_s_failure():
+    with fpipe.pipeline([block] * 2, mlp_params(2), schedule=gpipe(chunks=2),
+                        loss_fn=lambda y, t: (y - t).square().mean(0)) as pipe:
+        with pytest.raises(fpipe.StageError) as info:
+            pipe.value_and_grad(*[torch.randn(4, 8, dtype=torch.float64)] * 2)
+    assert (info.value.stage, info.value.microbatch, info.value.op) == (1, 0, "loss")
+    assert str(info.value) == (
+        "loss_fn failed on micro-batch 0 (on stage 1's output): loss_fn must return a scalar "
+        "(0-dim) tensor, got (8,)\n  loss_fn(y, target) was given y Tensor(2, 8) float64 on "
+        "cpu and target Tensor(2, 8) float64 on cpu")
+
+
+def test_a_loss_failure_reaches_other_ranks_named_as_the_loss_s():
+    from fpipe._runtime.ranks.faults import _stage_failure
+    assert _stage_failure("KeyError", "'mae'", fpipe.errors.Where(3, 1, "loss", 1)) == (
+        "loss_fn failed on micro-batch 1 (on stage 3's output): KeyError: 'mae'")
+
+
+def test_a_device_mismatch_notes_the_devices_of_the_input_and_of_the_parameters():
+    def makes_a_tensor_elsewhere(p, x):  # torch.ones without device=x.device, on another device
+        return torch.cat([block(p, x), torch.ones(x.shape, device="meta")], 1)
+
+    with fpipe.pipeline([block, makes_a_tensor_elsewhere], mlp_params(2),
+                        schedule=gpipe(chunks=2)) as pipe:
+        with pytest.raises(RuntimeError, match="device") as info:
+            pipe(torch.randn(4, 8, dtype=torch.float64))
+    assert info.value.__notes__ == [
+        "fpipe: raised in stage 1, forward of micro-batch 0",
+        "fpipe: its input, from stage 0: Tensor(2, 8) float64 on cpu",
+        "fpipe: stage 1's parameters are on cpu, where fpipe moves its input; a tensor the "
+        "stage makes itself must be made there too (e.g. device=x.device)"]

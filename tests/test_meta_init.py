@@ -259,7 +259,8 @@ def gpt_values(bounds, ranks, seed, init):
         s = from_modules(gpt_cut(model, bounds), root=model, held=held, init=init)
         states.append(torch.get_rng_state())
         for i in held:
-            for local, value in [*s.params[i].items(), *s.state[i].items()]:
+            buffers = s.state[i].items() if s.state is not None else ()  # none: stateless
+            for local, value in [*s.params[i].items(), *buffers]:
                 name = s.names[i][local]
                 assert name not in values or torch.equal(values[name], value), name
                 values[name] = value

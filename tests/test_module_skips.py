@@ -55,18 +55,20 @@ def unet(seed=0):
                          Up().isolate(inner), nn.ReLU(), Up().isolate(outer)).double()
 
 
+@pytest.mark.parametrize("stateful", [True, None])  # None: the default, stateless here
 @pytest.mark.parametrize("balance", [[1, 2, 3], [2, 2, 2], [3, 3], [1, 1, 1, 1, 1, 1], [6]])
 @pytest.mark.parametrize("schedule", [gpipe(chunks=3, remat="always"), gpipe(chunks=2),
                                       one_f_one_b(chunks=3)])
-def test_skips_across_stages_give_the_plain_modules_gradients(balance, schedule):
+def test_skips_across_stages_give_the_plain_modules_gradients(balance, schedule, stateful):
     model = unet()
     x, target = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
     F.mse_loss(model(x), target).backward()
-    s = from_sequential(model, balance)
+    s = from_sequential(model, balance, stateful=stateful)
+    assert (s.state is None) == (stateful is None)  # the model has no buffers
     with fpipe.pipeline(s.stages, s.params, state=s.state, schedule=schedule,
                         loss_fn=F.mse_loss) as pipe:
-        loss, grads, _ = pipe.value_and_grad(x, target)
-        y, _ = pipe(x)
+        loss, grads = pipe.value_and_grad(x, target)[:2]
+        y = pipe(x)[0] if stateful else pipe(x)
     torch.testing.assert_close(loss, F.mse_loss(model(x), target))
     torch.testing.assert_close(y, model(x).detach())
     expected = dict(model.named_parameters())

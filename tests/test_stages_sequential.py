@@ -77,7 +77,7 @@ def test_params_are_parameter_copies_on_the_devices_with_the_models_requires_gra
     model[2].bias.requires_grad_(False)  # frozen in the model: frozen in the stages
     s = from_sequential(model, [3, 5], devices=["cpu", torch.device("cpu")])
     assert list(s.params[0]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert s.state == [{}, {}]
+    assert s.state is None  # no buffers: stateless stages by default
     for part in s.params:
         for name, t in part.items():
             assert t.is_leaf and isinstance(t, nn.Parameter)
@@ -339,6 +339,67 @@ def test_stateless_stages_refuse_buffers():
         from_sequential(bn_model(), [1, 6], stateful=False)
 
 
+@pytest.mark.parametrize("cut", ["sequential", "modules"])
+def test_by_default_stages_are_stateful_exactly_when_the_model_has_buffers(cut):
+    """No buffers: stateless stages and state None, so state=s.state builds a pipeline whose
+    calls return (loss, grads) and y, the plain module's; one module with buffers makes every
+    stage stateful (the others carry {})."""
+    def make(model, balance):
+        if cut == "sequential":
+            return from_sequential(model, balance)
+        return from_modules([model[:balance[0]], model[balance[0]:]])
+    x, target = batch()
+    model = mlp()
+    s = make(model, [3, 5])
+    assert s.state is None and all(type(f) is ModuleStage for f in s.stages)
+    with fpipe.pipeline(s.stages, s.params, state=s.state, schedule=gpipe(chunks=2),
+                        loss_fn=F.mse_loss) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+        torch.testing.assert_close(pipe(x), model(x), **TIGHT)
+    torch.testing.assert_close(loss, F.mse_loss(model(x), target), **TIGHT)
+    s = make(bn_model(), [3, 4])
+    assert all(type(f) is StatefulModuleStage for f in s.stages)
+    assert sorted(s.state[0]) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    assert sorted(s.state[1]) == ["4.num_batches_tracked", "4.running_mean", "4.running_var"]
+    s = make(bn_model(), [1, 6])  # only the second stage has buffers: the first carries {}
+    assert s.state[0] == {} and all(type(f) is StatefulModuleStage for f in s.stages)
+    assert from_sequential(mlp(), [8], stateful=True).state == [{}]  # explicit, as asked
+
+
+def test_stateful_stages_without_state_are_refused_at_build_naming_the_remedy():
+    s = from_sequential(bn_model(), [3, 4])
+    with pytest.raises(TypeError, match=r"stage 0 is a stateful module stage .* built without "
+                                        r"state=: pass state=s.state.*stateful=False"):
+        fpipe.pipeline(s.stages, s.params, schedule=gpipe(chunks=2), loss_fn=F.mse_loss)
+    s = from_sequential(unet_like(), [1, 2], stateful=True)  # skips routed: still seen
+    with pytest.raises(TypeError, match=r"stage 0 is a stateful module stage"):
+        fpipe.pipeline(s.stages, s.params, schedule=gpipe(chunks=2), loss_fn=F.mse_loss)
+    s = from_sequential(mlp(), [3, 5], stateful=False)
+    with pytest.raises(TypeError, match=r"stage 0 is a stateless module stage .* built with "
+                                        r"state=: leave out state="):
+        fpipe.pipeline(s.stages, s.params, state=[{}, {}], schedule=gpipe(chunks=2))
+    # a stage function of the user's own is not judged: its signature is the user's
+    fpipe.pipeline([lambda p, st, x: (x, st)], [{}], state=[{}], schedule=gpipe(chunks=2))
+
+
+def unet_like() -> nn.Sequential:
+    """Three layers, the first stashing for the last (torchgpipe's skippable layers)."""
+    from fpipe.stages import pop, skippable, stash
+
+    @skippable(stash=["skip"])
+    class Keep(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x)
+            return x
+
+    @skippable(pop=["skip"])
+    class Add(nn.Module):
+        def forward(self, x):
+            return x + (yield pop("skip"))
+
+    return nn.Sequential(Keep(), nn.Linear(6, 6), Add()).double()
+
+
 def tied_sequential():
     torch.manual_seed(0)
     first, last = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -370,7 +431,8 @@ def test_a_tensor_shared_within_one_stage_is_passed_once():
     s = from_sequential(model, [3])
     assert s.ties == () and sorted(s.params[0]) == ["0.bias", "0.weight", "2.bias"]
     x = torch.randn(5, 4, dtype=torch.float64)
-    y, _ = s.stages[0](s.params[0], s.state[0], x)
+    assert s.state is None  # no buffers: a stateless stage
+    y = s.stages[0](s.params[0], x)
     torch.testing.assert_close(y, model(x), **TIGHT)
 
 

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 
 from fpipe._runtime.compiled import batch_dynamic, is_compiled
+from fpipe._runtime.notes import summary
 from fpipe._runtime.values import check_output, differentiable, flatten
 from fpipe.errors import StageError
 
-__all__ = ["MicroBatch", "Core", "user_core", "dynamic_batch", "with_loss", "core_of"]
+__all__ = ["MicroBatch", "Core", "user_core", "dynamic_batch", "with_loss", "core_of",
+           "in_loss"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +104,28 @@ def _loss(loss_fn: Callable, y: Any, target: Any) -> torch.Tensor:
         if target is None and hasattr(exc, "add_note"):
             exc.add_note("fpipe: no target was given: value_and_grad(x) passes target=None "
                          "to loss_fn; call value_and_grad(x, target)")
+        in_loss(exc, y, target)
         raise
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise StageError(f"loss_fn must return a scalar (0-dim) tensor, got {shape}")
+        raise in_loss(StageError(f"loss_fn must return a scalar (0-dim) tensor, got {shape}"),
+                      y, target)
     if not differentiable(loss):
-        raise StageError(f"loss_fn must return a floating-point tensor, got {loss.dtype}")
+        raise in_loss(StageError(f"loss_fn must return a floating-point tensor, got "
+                                 f"{loss.dtype}"), y, target)
     return loss
+
+
+def in_loss(exc: BaseException, y: Any, target: Any) -> BaseException:
+    """``exc``, raised inside ``loss_fn`` (or by its result's checks), marked so: where it is
+    located, it is said to be raised in the loss, not in the last stage's forward, with the
+    arguments ``loss_fn`` was given. (An exception that takes no attributes stays unmarked.)"""
+    given = f"loss_fn(y, target) was given y {summary(y)} and target {summary(target)}"
+    try:
+        exc.fpipe_loss = given  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    return exc
 
 
 def _pair(result: Any, message: str) -> tuple[Any, Any]:

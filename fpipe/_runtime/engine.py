@@ -13,6 +13,7 @@ import optree
 import torch
 
 from fpipe._runtime import microbatch
+from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import NonFiniteLossError
 
 __all__ = ["check_options", "check_stages", "check_training", "check_untransformed",
@@ -64,24 +65,25 @@ _TRANSFORMS = {"Grad": "torch.func.grad / vjp / jacrev", "Jvp": "torch.func.jvp 
                "Vmap": "torch.func.vmap", "Functionalize": "torch.func.functionalize"}
 
 
-def check_untransformed(entry: str, x: Any = None) -> None:
-    """Refuse a call made under a ``torch.func`` transform (or with forward-mode dual inputs).
+def check_untransformed(entry: str, x: Any = None, **trees: Any) -> None:
+    """Refuse a call made under a ``torch.func`` transform, or with a forward-mode dual tensor
+    anywhere in what it was given: ``x`` (the input) and each of ``trees`` (``target=``,
+    ``params=``, ``state=``, a vjp's ``cotangent=``), at any depth of a pytree.
 
     A pipeline runs its stages on worker threads (or other ranks) and takes their vjps
     itself: a transform of the caller's thread would see the pipeline's outputs as constants
-    and return zeros, silently. So every entry point says so at once, naming what to call
-    instead."""
+    and return zeros, silently; a dual tensor's tangent would reach only what it touches
+    directly (a dual target gives the loss a tangent that misses every stage), and is lost
+    between ranks. So every entry point says so at once, naming what to call instead."""
     interpreter = _peek_interpreter()
     if interpreter is not None:
         kind = interpreter.key().name
         how = _TRANSFORMS.get(kind, f"a torch.func transform ({kind})")
-    elif _forward_ad_level() >= 0 and any(
-            isinstance(leaf, torch.Tensor) and
-            torch.autograd.forward_ad.unpack_dual(leaf).tangent is not None
-            for leaf in optree.tree_leaves(x)):
-        how = "torch.autograd.forward_ad (a dual tensor)"
     else:
-        return
+        holder = _dual_holder({"input": x, **trees})
+        if holder is None:
+            return
+        how = f"torch.autograd.forward_ad (a dual tensor in its {holder})"
     raise RuntimeError(
         f"{entry} was called under {how}. fpipe runs each stage's forward and vjp itself, on "
         f"its own worker threads or ranks, where the transform does not reach: it would see "
@@ -90,6 +92,19 @@ def check_untransformed(entry: str, x: Any = None) -> None:
         f"a loss, y, vjp_fn = pipe.vjp(x) for a vjp (vjp_fn(cotangent) -> (param_grads, "
         f"x_grad)); for a batch of inputs pass the batch itself (dim 0 is the batch), not "
         f"vmap. fpipe.GPipe's gradients come from loss.backward()")
+
+
+def _dual_holder(trees: dict[str, Any]) -> str | None:
+    """The name of the first of ``trees`` holding a forward-mode dual tensor, if any (none
+    can exist outside ``forward_ad.dual_level()``)."""
+    if _forward_ad_level() < 0:
+        return None
+    for name, tree in trees.items():
+        for leaf in tree_flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor) and \
+                    torch.autograd.forward_ad.unpack_dual(leaf).tangent is not None:
+                return name
+    return None
 
 
 try:  # functorch's interpreter stack: not None inside a transform

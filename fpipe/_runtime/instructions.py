@@ -10,14 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 from torch.autograd import profiler
 
 from fpipe._runtime.autodiff import StageCall
+from fpipe._runtime.notes import device_hint, dtype_hint, summary
 from fpipe._runtime.rng import UnseededDraws
 from fpipe._runtime.step import Channel, Step
-from fpipe._runtime.values import Value, describe
-from fpipe.errors import StageError, Where, locate
+from fpipe._runtime.values import Value
+from fpipe.errors import LOSS, StageError, Where, locate
 from fpipe.recompute import checkpointing, recomputing
 from fpipe.schedules.actions import Action, Op, Program
 from fpipe.schedules.validate import validate
@@ -358,12 +358,14 @@ def located(exc: BaseException, kind: Kind | None, stage: int | None,
     the input's floating dtypes are none of the stage's parameters', what to do about it."""
     if isinstance(exc, UnseededDraws) or stage is None:
         return exc
-    op = kind.name if kind is not None else "setup"
-    received = f"its input, from stage {stage - 1}: {describe(x.tree())}" \
-        if x is not None and stage else None
+    loss = getattr(exc, "fpipe_loss", None)  # raised inside loss_fn (adapters.in_loss)
+    op = LOSS if loss else kind.name if kind is not None else "setup"
+    received = loss or (f"its input, from stage {stage - 1}: {summary(x.tree())}"
+                        if x is not None and stage else None)
+    at = Where(stage, microbatch, op)
     if isinstance(exc, StageError):
         if exc.stage is None:
-            message = f"stage {stage} failed in the {op} of micro-batch {microbatch}: {exc}"
+            message = f"{at.failed()}: {exc}"
             if received:
                 message += f"\n  {received}"
             located = StageError(message, stage, microbatch, op)
@@ -371,26 +373,11 @@ def located(exc: BaseException, kind: Kind | None, stage: int | None,
             return located
         return exc
     if getattr(exc, "fpipe_where", None) is None:
-        locate(exc, Where(stage, microbatch, op))
-        if received and hasattr(exc, "add_note"):
-            exc.add_note(f"fpipe: {received}")
-        hint = dtype_hint(stage, x, params)
-        if hint and hasattr(exc, "add_note"):
-            exc.add_note(f"fpipe: {hint}")
+        locate(exc, at)
+        hints = [received, None if loss else dtype_hint(stage, x, params),
+                 device_hint(stage, exc, params)]
+        for hint in hints:
+            if hint and hasattr(exc, "add_note"):
+                exc.add_note(f"fpipe: {hint}")
     return exc
 
-
-def dtype_hint(stage: int, x: Value | None, params: list | None) -> str | None:
-    """Why a stage whose input and parameters differ in floating dtype may have failed, and
-    the remedies: fpipe hands values between stages as they are and casts nothing."""
-    def floating(leaves: list | None) -> set:
-        return {str(t.dtype).removeprefix("torch.") for t in leaves or ()
-                if isinstance(t, torch.Tensor) and t.is_floating_point()}
-
-    given, held = floating(None if x is None else x.leaves), floating(params)
-    if not given or not held or given & held:
-        return None
-    return (f"stage {stage}'s input is {'/'.join(sorted(given))} but its parameters are "
-            f"{'/'.join(sorted(held))}; fpipe hands tensors between stages as they are: cast "
-            f"the parameters alike (fpipe.amp.cast(params, dtype)), cast the input in the stage, "
-            f"or run the step under torch.autocast")

@@ -16,7 +16,7 @@ from fpipe._runtime.values import Value, placed, trainable
 from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
-__all__ = ["Step", "Ends", "Vjp", "GradSums", "TrainResult", "Channel"]
+__all__ = ["Step", "Ends", "Vjp", "GradSums", "TrainResult", "Channel", "plus"]
 
 
 class TrainResult:
@@ -249,6 +249,15 @@ def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None
     if a is None:
         return b
     return a if b is None else a + b
+
+
+def plus(a: list | None, b: list | None) -> list | None:
+    """Two stages' flat gradients (or two steps' of one stage) added leaf by leaf (``None``
+    is nothing), as new tensors: how ``value_and_grad(..., accumulate=True)`` carries its
+    sums to the next call, in both faces."""
+    if a is None or b is None:
+        return b if a is None else a
+    return [_plus(x, y) for x, y in zip(a, b)]
 
 
 class Channel(Protocol):

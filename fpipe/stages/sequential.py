@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fpipe.stages.materialize import Init, place_stages
-from fpipe.stages.module_skip import route_module_skips
+from fpipe.stages.module_skip import _Routed, route_module_skips
 from fpipe.stages.naming import Tie, find_ties, model_names, module_names
 from fpipe.stages.swap import Swap
 
@@ -143,7 +143,7 @@ def check_ties_given(stages: Sequence[Any], ties: Any) -> None:
 
 def from_sequential(module: nn.Sequential, balance: Sequence[int],
                     devices: Sequence[torch.device | str] | None = None, *,
-                    stateful: bool = True, init: Init = "reset_parameters",
+                    stateful: bool | None = None, init: Init = "reset_parameters",
                     held: Iterable[int] | None = None) -> Stages:
     """Cut ``module`` into ``len(balance)`` contiguous partitions of ``balance[i]`` layers.
 
@@ -166,7 +166,7 @@ def from_sequential(module: nn.Sequential, balance: Sequence[int],
 
 def from_modules(modules: Sequence[nn.Module],
                  devices: Sequence[torch.device | str] | None = None, *,
-                 stateful: bool = True, root: nn.Module | None = None,
+                 stateful: bool | None = None, root: nn.Module | None = None,
                  init: Init = "reset_parameters", held: Iterable[int] | None = None) -> Stages:
     """One stage per module: ``modules[i]`` runs on ``devices[i]`` and its forward takes the
     previous stage's output as its one argument.
@@ -181,8 +181,11 @@ def from_modules(modules: Sequence[nn.Module],
         devices: ``devices[i]`` holds and runs stage ``i`` (default: all on the CPU; extra
             devices are left unused). Parameters and buffers are copied there: this is the
             placement call, the one place fpipe moves tensors.
-        stateful: stages take ``(params, state, x) -> (y, new_state)``; with False they take
-            ``(params, x) -> y`` and a module with buffers is an error.
+        stateful: with True, stages take ``(params, state, x) -> (y, new_state)`` and
+            ``Stages.state`` holds their buffers (pass ``state=s.state`` to the pipeline);
+            with False they take ``(params, x) -> y``, ``Stages.state`` is None, and a module
+            with buffers is an error. By default (None), stateful exactly when a module has
+            buffers, so ``state=s.state`` is right either way.
         root: the whole model: ``Stages.names`` then gives each leaf the model's own name,
             found by the identity of the submodule that owns it (``"head.weight"`` of
             ``Head(model)`` is ``"lm_head.weight"``). Without it the names are the local ones.
@@ -204,8 +207,8 @@ def from_modules(modules: Sequence[nn.Module],
 
 
 def _build(modules: Sequence[nn.Module], devices: Sequence[torch.device | str] | None,
-           stateful: bool, root: nn.Module | None, init: Init, held: Iterable[int] | None,
-           seed_root: nn.Module | None) -> Stages:
+           stateful: bool | None, root: nn.Module | None, init: Init,
+           held: Iterable[int] | None, seed_root: nn.Module | None) -> Stages:
     """:func:`from_modules`, whose meta-built submodules are seeded by their names in
     ``seed_root`` (:mod:`fpipe.stages.seeding`)."""
     modules = list(modules)
@@ -219,6 +222,8 @@ def _build(modules: Sequence[nn.Module], devices: Sequence[torch.device | str] |
     held = _check_held(held, len(modules))
     names = model_names(modules, root)
     ties = find_ties(modules)
+    if stateful is None:  # a model without buffers has nothing to carry
+        stateful = any(next(m.buffers(), None) is not None for m in modules)
     if not stateful:
         for i, m in enumerate(modules):
             buffers = [name for name, _ in m.named_buffers()]
@@ -316,6 +321,43 @@ def _check_no_post_accumulate_hooks(modules: Sequence[nn.Module]) -> None:
                     f"the model's .grad. Remove the hook and run its work after "
                     f"fpipe.optim.bind_grads (or register it on the stage's parameter copy, "
                     f"whose .grad bind_grads sets)")
+
+
+def check_state_given(stages: Sequence[Any], stateful: bool) -> None:
+    """Refuse, when a pipeline is built, module stages whose kind does not fit it: stateful
+    ones (``stage(params, state, x)``) in a pipeline built without ``state=``, or stateless
+    ones given state; each would fail at the first step with a ``TypeError`` about missing or
+    extra arguments, naming neither the stage nor the remedy."""
+    for i, stage in enumerate(stages):
+        takes = takes_state(stage)
+        if takes is None or takes == stateful:
+            continue
+        if takes:
+            raise TypeError(
+                f"stage {i} is a stateful module stage (stage(params, state, x) -> (y, "
+                f"new_state), cut with stateful=True, or by default from a model with "
+                f"buffers), but the pipeline was built without state=: pass state=s.state, the "
+                f"Stages' buffers, to the pipeline, or cut the model with stateful=False if it "
+                f"has no buffers")
+        raise TypeError(
+            f"stage {i} is a stateless module stage (stage(params, x) -> y, cut with "
+            f"stateful=False, or by default from a model without buffers; its Stages.state is "
+            f"None), but the pipeline was built with state=: leave out state= (state=s.state "
+            f"is None for such stages), or cut the model with stateful=True")
+
+
+def takes_state(stage: Any) -> bool | None:
+    """Whether a stage made here takes state (looking through the skip adapters that wrap
+    it); ``None`` for any other function, whose signature is the user's to choose."""
+    while stage is not None:
+        if isinstance(stage, StatefulModuleStage):
+            return True
+        if isinstance(stage, ModuleStage):
+            return False
+        if isinstance(stage, _Routed):
+            return stage.stateful
+        stage = getattr(stage, "__wrapped__", None)
+    return None
 
 
 def check_balance(balance: Sequence[int], n_layers: int) -> list[int]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from fpipe._runtime.step import plus
+
 __all__ = ["Accumulated", "plus"]
 
 
@@ -74,9 +76,3 @@ class Accumulated:
     def clear(self) -> None:
         self.sums = None
 
-
-def plus(a: list | None, b: list | None) -> list | None:
-    """Two stages' flat gradients added leaf by leaf (``None`` is nothing), as new tensors."""
-    if a is None or b is None:
-        return b if a is None else a
-    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]

@@ -191,7 +191,7 @@ def at_rank(error: BaseException, rank: int) -> BaseException:
 def _stage_failure(type_name: str, message: str, at: Where) -> str:
     """What failed where, for ranks that only learn of it: the place, the original exception's
     type and its message (a StageError of the interpreter's already says the place)."""
-    place = f"stage {at.stage} failed in the {at.op} of micro-batch {at.microbatch}"
+    place = at.failed()
     if type_name == "StageError" and message.startswith(place):
         return message
     return f"{place}: {type_name}: {message}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from fpipe._runtime import microbatch
-from fpipe._runtime.engine import input_grads
+from fpipe._runtime.engine import check_untransformed, input_grads
 from fpipe._runtime.instructions import after_turn, before_turn, check_turn
 
 __all__ = ["two_calls"]
@@ -30,6 +30,7 @@ def two_calls(pipe: Any, x: Any, params: Any, state: Any) -> tuple:
     last = pipe.worker == pipe.program.placement[-1]
 
     def vjp_fn(cotangent: Any = None) -> tuple[dict, Any]:
+        check_untransformed("a distributed pipeline's vjp_fn", cotangent=cotangent)
         with pipe._calls.alone(pending):
             pipe._calls.pending = None
             pipe.driver.faults.guarded(lambda: pipe.driver.backward(
