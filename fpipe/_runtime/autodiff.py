@@ -180,7 +180,7 @@ class StageCall:
 def _signature(inputs: tuple[Value, ...]) -> tuple:
     """The shapes and dtypes of a call's tensor inputs: a stage may take another path (and
     reach other tensors) for another shape, so each is searched once."""
-    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else None
+    return tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None
                  for value in inputs for leaf in value.leaves)
 
 
