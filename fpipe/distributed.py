@@ -51,6 +51,7 @@ from fpipe._runtime.ranks.results import Replica, Results
 from fpipe._runtime.ranks.tie_groups import TieGroups
 from fpipe._runtime.ranks.two_calls import two_calls
 from fpipe._runtime.rng import StepSeed
+from fpipe._runtime.skips import Skips
 from fpipe._runtime.sources import follow, hooked_by_stage, sources_of
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
@@ -210,7 +211,7 @@ class DistributedPipeline:
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False,  # one thread a rank: every draw seeded
-            skips=declared(stages))
+            skips=Skips(*declared(stages)))
         DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
         replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
         built = fingerprint(self.ranks, self.worker, replicas, program, {

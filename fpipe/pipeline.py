@@ -29,6 +29,7 @@ from fpipe._runtime.engine import (
 )
 from fpipe._runtime.log import StepTimes, logger
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.skips import Skips
 from fpipe._runtime.sources import follow, hooked, sources_of
 from fpipe._runtime.step import plus
 from fpipe._runtime.ties import TieSums
@@ -197,7 +198,7 @@ class Pipeline:
         self._driver = LocalDriver(self.stages, self.param_specs, self.devices,
                                    program.n_workers, loss_fn, stateful=self.stateful,
                                    grad_dtype=grad_dtype, autodiff=autodiff,
-                                   skips=declared(self.stages))
+                                   skips=Skips(*declared(self.stages)))
         self._driver.prepare(self.program, training=True)
         self._driver.prepare(self.inference_program, training=False)
         self._accumulated: list | None = None  # value_and_grad(accumulate=True)'s sums

@@ -60,10 +60,10 @@ def test_the_engine_takes_skips_as_data():
 
     stages = [skippable(plain, stash=["b", "a"]), plain, skippable(plain, pop=["a"]),
               skippable(plain, pop=["b"])]
-    skips = declared(stages)
+    skips = Skips(*declared(stages))
     assert skips == Skips(pops=((), (), ("a",), ("b",)), stashes=(("a", "b"), (), (), ()),
                           routes={"a": (0, 2), "b": (0, 3)})
-    assert declared([plain, plain]) == Skips.none(2)
+    assert Skips(*declared([plain, plain])) == Skips.none(2)
     with pytest.raises(TypeError):
         skips.routes["c"] = (1, 2)  # frozen: the engine cannot change a route
 
@@ -75,4 +75,13 @@ def test_the_engine_takes_skips_as_data():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             importers += [f"{path.relative_to(root)}: {n}" for n in names
                           if n.startswith("fpipe.stages")]
+    assert importers == []
+    # ... nor the declaring layer the engine: the faces hand one to the other.
+    stages_root = root.parent / "stages"
+    for path in sorted(stages_root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            importers += [f"stages/{path.relative_to(stages_root)}: {n}" for n in names
+                          if n.startswith("fpipe._runtime")]
     assert importers == []

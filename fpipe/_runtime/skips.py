@@ -2,9 +2,10 @@
 
 How a user declares a skip (``fpipe.stages.skippable`` on a function, torchgpipe's
 ``@skippable`` on a module) is the faces' business; :func:`fpipe.stages.skip.declared` reads
-those declarations once, checks them, and hands the engine this value. The engine routes by it
-and never imports the declaring layer, so a researcher's own way of declaring skips needs only
-to produce a :class:`Skips`."""
+those declarations once and checks them, and the faces hand the engine this value made of them
+(``Skips(*declared(stages))``). The engine routes by it and never imports the declaring layer,
+nor that layer the engine, so a researcher's own way of declaring skips needs only to produce
+a :class:`Skips`."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from fpipe._runtime.skips import Skips
 
 __all__ = ["Skippable", "skippable", "skip_routes", "SkipError"]
 
@@ -107,10 +106,13 @@ def skip_routes(stages: Sequence[Callable]) -> dict[str, tuple[int, int]]:
     return {name: (stashed_by[name], popped_by[name]) for name in sorted(stashed_by)}
 
 
-def declared(stages: Sequence[Callable]) -> Skips:
-    """The skips ``stages`` declare, checked (:func:`skip_routes`), as the engine takes them."""
-    return Skips(tuple(pops(fn) for fn in stages), tuple(stashes(fn) for fn in stages),
-                 skip_routes(stages))
+def declared(stages: Sequence[Callable]) -> tuple[tuple, tuple, dict[str, tuple[int, int]]]:
+    """The skips ``stages`` declare, checked (:func:`skip_routes`), as plain data: per stage
+    the names it pops and stashes, and per skip its ``(stashing, popping)`` stages. The faces
+    hand them to the engine as its ``Skips`` value (``Skips(*declared(stages))``): this
+    layer knows no engine."""
+    return (tuple(pops(fn) for fn in stages), tuple(stashes(fn) for fn in stages),
+            skip_routes(stages))
 
 
 def _names(kind: str, names: Iterable[str]) -> tuple[str, ...]:
