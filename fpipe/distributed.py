@@ -37,18 +37,16 @@ from fpipe._runtime.engine import (
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.log import StepTimes, logger
-from fpipe._runtime.placement import check_params
 from fpipe._runtime.ranks.accumulate import Accumulated
-from fpipe._runtime.ranks.agreement import fingerprint
 from fpipe._runtime.ranks.calls import Calls
 from fpipe._runtime.ranks.data_parallel import DataParallel, mesh_groups
-from fpipe._runtime.ranks.driver import RankDriver, backend_for
-from fpipe._runtime.ranks.fsdp import Sharded, check_call, check_shard, released
-from fpipe._runtime.ranks.inputs import Held, held_device, seat
+from fpipe._runtime.ranks.driver import backend_for
+from fpipe._runtime.ranks.fsdp import check_call, check_shard, released
+from fpipe._runtime.ranks.inputs import held_by
+from fpipe._runtime.ranks.joined import join
 from fpipe._runtime.ranks.launch import LAUNCH_VARIABLES as LAUNCH_VARIABLES
 from fpipe._runtime.ranks.launch import init, my_stages
-from fpipe._runtime.ranks.results import Replica, Results
-from fpipe._runtime.ranks.tie_groups import TieGroups
+from fpipe._runtime.ranks.results import Replica
 from fpipe._runtime.ranks.two_calls import two_calls
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.skips import Skips
@@ -142,6 +140,24 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
                                shard=shard)
 
 
+def _checked(stages: Any, ties: Any, state: Any, loss_fn: Any) -> tuple[list, Any]:
+    """The stages (of a ``Stages`` value, which brings its ties) and ties, checked as every
+    rank can alone, before anything collective: a process group, the loss, the stages, the
+    ties and state the cut requires."""
+    if not dist.is_initialized():
+        raise RuntimeError("fpipe.distributed needs a process group: call "
+                           "fpipe.distributed.init() (or torch.distributed.init_process_group)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(stages, Stages):  # its ties come with it: none forgotten
+        ties = stages.ties if ties is None else ties
+    stages = list(stages.stages if isinstance(stages, Stages) else stages)
+    check_stages(stages)
+    check_ties_given(stages, ties)
+    check_state_given(stages, state is not None)
+    return stages, ties
+
+
 class DistributedPipeline:
     """This rank's stages of a pipeline whose workers are the ranks of the process group.
 
@@ -171,80 +187,61 @@ class DistributedPipeline:
                  state_reduce: str | None = "mean", shard: str | None = None) -> None:
         check_options(nonfinite, grad_dtype)
         check_shard(shard, mesh, grad_reduce)
-        self.nonfinite = nonfinite
-        if not dist.is_initialized():
-            raise RuntimeError("fpipe.distributed needs a process group: call "
-                               "fpipe.distributed.init() (or torch.distributed.init_process_group)")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
+        stages, ties = _checked(stages, ties, state, loss_fn)
+        self.nonfinite, self.loss_fn, self.timeout = nonfinite, loss_fn, timeout
         group, data_parallel = mesh_groups(group, mesh, data_parallel)
         #: The global rank of each worker: worker ``w`` runs on rank ``ranks[w]``.
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group))
-        if isinstance(stages, Stages):  # its ties come with it: none forgotten
-            ties = stages.ties if ties is None else ties
-        self.stages = stages = list(stages.stages if isinstance(stages, Stages) else stages)
-        check_stages(stages)
-        check_ties_given(stages, ties)
-        check_state_given(stages, state is not None)
-        program = program_of(schedule, len(stages))
-        # Validated and compiled once, before anything reads the placement.
-        self._compiled: dict = {}
-        self.program, self.inference_program = program, program.forward_only()
-        compiled(self._compiled, self.program, True, state is not None)
-        compiled(self._compiled, self.inference_program, False, state is not None)
-        self.rank = dist.get_rank()
-        #: This rank's worker of the program (its index in :attr:`ranks`), and its stages.
-        self.worker, self.stages_held = seat(self.ranks, self.rank, program, params)
-        self.params = {s: params[s] for s in self.stages_held}
-        self.device = held_device(self.params, device, self.rank)
-        check_params(self.params, {s: self.device for s in self.stages_held})
-        self.param_specs = {s: optree.tree_structure(p) for s, p in self.params.items()}
-        self.held = Held(self.rank, self.stages_held, self.device, self.param_specs, len(stages))
-        self.loss_fn = loss_fn
-        self.timeout = timeout
-        self.state = None
-        if state is not None:
-            self.held.check_state(state, PlacementError)
-            self.state = {s: state[s] for s in self.stages_held}
+        self.stages = stages
+        self._seat(program_of(schedule, len(stages)), params, device, state)
         self.interpreter = Interpreter(
             stages, [self.param_specs.get(s) for s in range(len(stages))],
             [self.device] * len(stages), loss_fn, Transport([]), stateful=self.stateful,
             grad_dtype=grad_dtype, autodiff=autodiff,
             concurrent=False,  # one thread a rank: every draw seeded
             skips=Skips(*declared(stages)))
-        DataParallel.check_options(grad_reduce, bucket_mb, state_reduce)
-        replicas = None if data_parallel is None else DataParallel.ranks_of(data_parallel)
-        built = fingerprint(self.ranks, self.worker, replicas, program, {
-            "autodiff": autodiff, "grad_dtype": grad_dtype, "grad_reduce": grad_reduce,
-            "state_reduce": state_reduce, "bucket_mb": bucket_mb, "shard": shard,
-            "data parallel": replicas is not None}, self.params, self.state)
-        self.driver = RankDriver(self.ranks, program, self.interpreter, self.device, timeout,
-                                 self._compiled, replicas, built)
-        self.group, self.wire = self.driver.group, self.driver.wire
-        # The replicas' reduction over fpipe's group on their ranks (checked to run this
-        # worker of the same program when the groups were made).
-        self.data_parallel = None if data_parallel is None else DataParallel(
-            self.driver.dp_group, replicas, grad_reduce, max(1, int(bucket_mb * 2**20)),
-            self.wire, state_reduce)
-        self._calls = Calls(self.driver.faults, self._forget)
-        self._sharded = None if shard is None else Sharded(self.params, mesh["dp"])
-        if self._sharded is not None:
-            self.params = self._sharded.params
-        self._accumulated = Accumulated(len(stages))
+        options = {"autodiff": autodiff, "grad_dtype": grad_dtype, "grad_reduce": grad_reduce,
+                   "state_reduce": state_reduce, "bucket_mb": bucket_mb, "shard": shard}
+        self._join(data_parallel, options, mesh, ties)
         # The model parameters the held leaves were cut from (fpipe._runtime.sources).
         self._sources = sources_of(stages, [self.params.get(s) for s in range(len(stages))])
+        self._accumulated = Accumulated(len(stages))
         self._times = StepTimes()
         self.step_log = StepLog()  #: as :attr:`fpipe.Pipeline.step_log`, for this rank
-        logger.info("%r: ranks %s%s", self, list(self.ranks),
-                    "" if replicas is None else f", replicas on ranks {list(replicas)}")
-        # Collective: every rank checks the tie map and makes the tie groups alike.
-        tie_groups = TieGroups(ties, self.params if self._sharded is None else
-                               self._sharded.local(), program.placement, self.ranks, self.rank,
-                               self.device, self.wire, grad_dtype, timeout, self.driver.faults)
-        self._results = Results(self.data_parallel, tie_groups, self.driver.faults,
-                                self.param_specs, self._sharded)
+
+    def _seat(self, program: Program, params: Mapping[int, Any], device: Any,
+              state: Mapping[int, Any] | None) -> None:
+        """The program (validated and compiled once, before anything reads the placement),
+        this rank's worker and stages, their parameters, device and state, checked."""
+        self._compiled: dict = {}
+        self.program, self.inference_program = program, program.forward_only()
+        compiled(self._compiled, self.program, True, state is not None)
+        compiled(self._compiled, self.inference_program, False, state is not None)
+        self.rank = dist.get_rank()
+        #: This rank's worker of the program (its index in :attr:`ranks`), and its stages.
+        self.worker, self.params, self.held = held_by(self.ranks, self.rank, program, params,
+                                                      device, len(self.stages))
+        self.stages_held, self.device = self.held.stages, self.held.device
+        self.param_specs = self.held.specs
+        self.state = None
+        if state is not None:
+            self.held.check_state(state, PlacementError)
+            self.state = {s: state[s] for s in self.stages_held}
+
+    def _join(self, data_parallel: Any, options: dict, mesh: Any, ties: Any) -> None:
+        """Collective: what every rank makes alike (:func:`fpipe._runtime.ranks.joined.join`)."""
+        joined = join(self.ranks, self.worker, self.program, self.interpreter, self.device,
+                      self.timeout, self._compiled, self.params, self.param_specs, self.state,
+                      data_parallel, options, mesh, ties)
+        self.driver, self.data_parallel = joined.driver, joined.data_parallel
+        self._sharded, self._results, self.params = joined.sharded, joined.results, joined.params
         #: The tie map, checked alike on every rank, as ``(stage, name)`` pairs.
-        self.ties = tuple(tuple(tuple(member) for member in tie) for tie in tie_groups.ties)
+        self.ties = joined.ties
+        self.group, self.wire = self.driver.group, self.driver.wire
+        self._calls = Calls(self.driver.faults, self._forget)
+        logger.info("%r: ranks %s%s", self, list(self.ranks), "" if self.data_parallel is None
+                    else f", replicas on ranks {list(self.data_parallel.ranks)}")
 
     @property
     def chunks(self) -> int:

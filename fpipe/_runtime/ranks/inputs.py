@@ -15,7 +15,7 @@ from fpipe._runtime.values import param_leaves
 from fpipe.errors import PlacementError
 from fpipe.schedules.actions import Program
 
-__all__ = ["Held", "held_device", "seat", "to"]
+__all__ = ["Held", "held_by", "held_device", "seat", "to"]
 
 
 def seat(ranks: tuple[int, ...], rank: int, program: Program,
@@ -35,6 +35,19 @@ def seat(ranks: tuple[int, ...], rank: int, program: Program,
         raise PlacementError(f"rank {rank} holds stages {list(stages)} but got parameters for "
                              f"stages {sorted(given)}")
     return worker, stages
+
+
+def held_by(ranks: tuple[int, ...], rank: int, program: Program, given: Mapping[int, Any],
+            device: torch.device | str | None, n_stages: int) -> tuple[int, dict, Held]:
+    """``(worker, params, held)``: where ``rank`` sits (:func:`seat`), its stages' parameters
+    and what it holds (:class:`Held`: the stages, their one device and parameter
+    structures), checked."""
+    worker, stages = seat(ranks, rank, program, given)
+    params = {s: given[s] for s in stages}
+    on = held_device(params, device, rank)
+    check_params(params, {s: on for s in stages})
+    specs = {s: optree.tree_structure(p) for s, p in params.items()}
+    return worker, params, Held(rank, stages, on, specs, n_stages)
 
 
 def held_device(params: Mapping[int, Any], device: torch.device | str | None,
