@@ -73,13 +73,14 @@ class GPipe(nn.Module):
             return input  # an empty nn.Sequential: the identity, as in torchgpipe
         m = microbatches(input, self.chunks)
         params = [dict(p.named_parameters()) for p in self.partitions]
-        state = [dict(p.named_buffers()) for p in self.partitions]
-        if torch.is_inference_mode_enabled() or not self._needs_grad(input):
+        buffers = [dict(p.named_buffers()) for p in self.partitions]
+        state = buffers
+        if torch.is_inference_mode_enabled() or not self._needs_grad(input, params):
             # Nothing could need a backward (no_grad, or nothing requires grad), in training
             # mode too: every micro-batch runs without a graph on every partition.
             pipe = self._pipeline(m, "never", params, state)
             y, new_state = pipe(input, params=params, state=state)
-            self._commit(new_state)
+            _commit(buffers, new_state)
             return y
         # Training forwards (and eval ones under grad) as torchgpipe runs them: checkpointed
         # micro-batches drop their activations, the rest keep what a backward needs.
@@ -92,7 +93,7 @@ class GPipe(nn.Module):
 
         def run(input: Any) -> tuple[Any, Any]:
             y, vjp_fn, new_state = pipe.vjp(input, params=params, state=state)
-            self._commit(new_state)
+            _commit(buffers, new_state)
             return y, vjp_fn
 
         inputs = input if isinstance(input, tuple) else (input,)
@@ -122,21 +123,27 @@ class GPipe(nn.Module):
             raise _moving_denied()
         return super().to(*args, **kwargs)
 
-    def _needs_grad(self, input: Any) -> bool:
+    @staticmethod
+    def _needs_grad(input: Any, params: list[dict[str, torch.Tensor]]) -> bool:
         """Whether autograd would record the call (an output that could need a backward)."""
         inputs = input if isinstance(input, tuple) else (input,)
-        return torch.is_grad_enabled() and any(
-            t.requires_grad for t in (*inputs, *self.parameters()))
+        return torch.is_grad_enabled() and (
+            any(t.requires_grad for t in inputs) or
+            any(p.requires_grad for named in params for p in named.values()))
 
     def _pipeline(self, m: int, remat: str, params: list, state: list) -> Any:
         return self._pipelines.get(self.partitions, self.devices, m, remat, params, state)
 
-    def _commit(self, new_state: list[dict[str, torch.Tensor]]) -> None:
-        """The stages' new buffers become the module's, in place (as a plain forward would)."""
-        with torch.no_grad():
-            for partition, buffers in zip(self.partitions, new_state):
-                for name, buffer in partition.named_buffers():
-                    buffer.copy_(buffers[name])
+
+
+def _commit(buffers: list[dict[str, torch.Tensor]],
+            new_state: list[dict[str, torch.Tensor]]) -> None:
+    """The stages' new buffers become the module's (``buffers``, as the call found them), in
+    place, as a plain forward would leave them."""
+    with torch.no_grad():
+        for held, new in zip(buffers, new_state):
+            for name, buffer in held.items():
+                buffer.copy_(new[name])
 
 
 def _moving_denied() -> TypeError:
