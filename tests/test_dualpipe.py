@@ -209,6 +209,30 @@ def test_colocate_merging_whole_workers_keeps_the_pairs():
     assert len(program.overlaps) > 0
 
 
+@pytest.mark.parametrize("schedule, n_stages", [
+    (dual_pipe_v(2), 2), (dual_pipe_v(4), 4), (dual_pipe_v(7), 4), (dual_pipe_v(9), 6),
+    (dual_pipe_v(6, "always"), 4), (dual_pipe_v(6, "except_last"), 6)])
+def test_each_await_comes_right_before_its_pairs_forward(schedule, n_stages):
+    """A worker's instructions are its actions in order, with an ``await`` of each pair's
+    backward inserted right before the pair's forward, so the forward waits for the
+    backward's inputs (a pair starts as one unit); the backward follows the forward."""
+    program = schedule.program(n_stages)
+    pair_of = {o.forward: o for o in program.overlaps}
+    for actions, plan in zip(program.workers, compiled({}, program, True), strict=True):
+        expected = []
+        for action in actions:
+            pair = pair_of.get(action)
+            if pair is not None:
+                expected.append((None, pair.backward.stage, pair.backward.microbatch))
+            expected.append((action.op, action.stage, action.microbatch))
+        assert [(kind.op, stage, mb) for kind, stage, mb in plan] == expected
+        for i, (kind, stage, mb) in enumerate(plan):
+            if kind is KINDS["await"]:
+                forward = Action(plan[i + 1][1], plan[i + 1][0].op, plan[i + 1][2])
+                assert pair_of[forward].backward == Action(stage, plan[i + 2][0].op, mb)
+    assert program.overlaps
+
+
 def test_pairs_run_exact_and_wait_as_one_unit():
     """Loss and gradients equal the whole batch's (float64) with pairs, also with remat; each
     pair's forward is compiled after an await of its backward's inputs; a step in two calls
