@@ -43,8 +43,9 @@ class ZeroBubble:
     Why: 1F1B's input gradients travel back at the pace of whole backwards; here they travel
     at the pace of ``I`` alone and the ``W`` actions fill the drain, so with equal F, I and W
     costs the idle time per worker falls from 1F1B's (K-1)(F+I+W) to (K-1)(F+I-W), a third.
-    The trade: every worker may hold K micro-batches alive, as many as 1F1B's first worker but
-    more than 1F1B's later workers (K-w on worker w).
+    The trade: every worker may hold K live pairs (its stage's micro-batches forwarded, ``W``
+    not run), as many as 1F1B's first worker but more than 1F1B's later workers (K-w on worker
+    w).
     """
 
     chunks: int
@@ -59,7 +60,7 @@ class ZeroBubble:
         which makes the program valid whenever 1F1B's is, as a ``W`` needs only its own ``I``,
         earlier on the same worker. The ``W`` actions follow the ``I`` actions one for one, in
         micro-batch order, but the first comes only after the (w+1)-th ``I``: the delay that
-        brings every worker to K live micro-batches. The ``W`` left go last."""
+        brings every worker to K live pairs. The ``W`` left go last."""
         stage_count(n_stages)
         workers = [self._worker(w, n_stages) for w in range(n_stages)]
         return apply_remat(Program(workers, n_stages, self.chunks), self.remat)
@@ -88,11 +89,11 @@ class ZeroBubbleV:
     Why: the V puts the first and the last stage on worker 0, so the worker that starts a
     micro-batch is also the one that turns it round, and the fill of the pipeline can be spent
     on forwards of the first stage; with the ``W`` actions filling the rest, the bubble nearly
-    vanishes when F, I and W cost the same, while every worker holds at most 2K stage-halves
-    alive, the memory 1F1B's first worker needs for K whole micro-batches. The trade: twice
-    the transfers of 1F1B, and an order tuned for equal F, I and W costs: with an ``I`` much
-    dearer than F and W it can fall behind 1F1B (simulate with your costs; ``zero_bubble`` does
-    not have that weakness).
+    vanishes when F, I and W cost the same, while every worker holds at most 2K live pairs
+    (of half-size stages), the memory 1F1B's first worker needs for K whole micro-batches.
+    The trade: twice the transfers of 1F1B, and an order tuned for equal F, I and W costs: with
+    an ``I`` much dearer than F and W it can fall behind 1F1B (simulate with your costs;
+    ``zero_bubble`` does not have that weakness).
 
     Without ``costs`` the order is the zero-bubble paper's hand-written V (its Figure 5, the
     order of torch's ``ScheduleZBVZeroBubble`` action for action): in its steady state each
