@@ -107,6 +107,28 @@ def test_the_shipped_branch_draws_every_shipped_family():
         assert program == FAMILIES[name](6, "never", 6, program.n_workers).program(6)
 
 
+@settings(max_examples=12, deadline=None)
+@given(programs(max_stages=4, max_microbatches=4, overlap=True).filter(lambda p: p.overlaps))
+def test_programs_with_overlapped_pairs_run_exact(program):
+    """Generated programs with overlapped pairs run on torch with the whole batch's loss and
+    gradients (float64, 1e-12)."""
+    import torch
+    from models import TIGHT, assert_trees_close, block, mlp_params, mse, whole_batch
+
+    import fpipe
+
+    n = program.n_stages
+    params = mlp_params(n, width=4)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(program.n_microbatches, 4, generator=g, dtype=torch.float64)
+    target = torch.randn(program.n_microbatches, 4, generator=g, dtype=torch.float64)
+    expected_loss, expected_grads = whole_batch([block] * n, params, x, target, mse)
+    with fpipe.pipeline([block] * n, params, schedule=program, loss_fn=mse) as pipe:
+        loss, grads = pipe.value_and_grad(x, target)
+    torch.testing.assert_close(loss, expected_loss, **TIGHT)
+    assert_trees_close(grads, expected_grads)
+
+
 def rejected(program, rule):
     # Invalid by a reference outside fpipe too: the test's own event loop cannot run it.
     assert run_by_hand(program) is not None, program
