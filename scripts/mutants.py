@@ -250,9 +250,8 @@ MUTANTS = (
            "        if True:\n            return True\n        w, m =",
            ("tests/test_built_schedules.py",)),
     Mutant("DualPipeV's main step without its first-stage backward", "schedules/dualpipe.py",
-           "            self.add(second, F)\n            self.add(first, B)\n        for _ in "
-           "range(k - 1 - w):  # 5",
-           "            self.add(second, F)\n        for _ in range(k - 1 - w):  # 5",
+           "# 5: B1, F1 B0\n            self.add(second, B)\n            self.pair(second, first)",
+           "# 5: B1, F1 B0\n            self.add(second, B)\n            self.add(second, F)",
            ("tests/test_built_schedules.py",)),
     # -- the torchgpipe face ----------------------------------------------------------------
     Mutant("a failed step's other workers run on", "_runtime/interpreter.py",
