@@ -4,10 +4,13 @@ one DeepSeek's DualPipe README gives, which CSV keeps, and which runs exact."""
 
 import csv
 import io
+import re
 import types
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from models import TIGHT, assert_trees_close, block, mlp_params, mse, whole_batch
 
 import fpipe
@@ -18,9 +21,11 @@ from fpipe.schedules import (
     Costs,
     Overlap,
     Program,
+    R,
     ScheduleError,
     UnmeasuredCostWarning,
     apply_remat,
+    colocate,
     dual_pipe_v,
     from_csv,
     simulate,
@@ -149,6 +154,83 @@ def test_remat_keeps_pairs_whole():
         for before, unit in zip(units, units[1:]):
             if isinstance(unit, Overlap):
                 assert before.op.value == "R" and before.stage == unit.backward.stage
+
+
+@pytest.mark.parametrize("remat", ["never", "always", "except_last"])
+@pytest.mark.parametrize("K, extra", [(1, 0), (2, 0), (2, 3), (3, 1), (4, 4)])
+def test_colocate_on_the_programs_own_placement_keeps_it_whole(K, extra, remat):
+    """The program comes back as it was: every pair kept, so the same simulated time."""
+    program = dual_pipe_v(2 * K + extra, remat).program(2 * K)
+    merged = colocate(program, program.placement)
+    assert merged == program and merged.overlaps == program.overlaps
+    for overlap in ("sum", "max"):
+        costs = Costs(**UNIT, overlap=overlap)
+        assert simulate(merged, costs).makespan == simulate(program, costs).makespan
+
+
+def split_pair(program, workers):
+    """The first pair (by name) whose two stages ``workers`` puts on two workers, or None."""
+    return next((o for o in sorted(program.overlaps, key=str)
+                 if workers[o.forward.stage] != workers[o.backward.stage]), None)
+
+
+@given(st.integers(1, 4), st.integers(0, 4), st.sampled_from(["never", "always"]), st.data())
+def test_colocate_keeps_every_pair_or_refuses_the_placement_naming_it(K, extra, remat, data):
+    """Pairs whose two stages go to one worker stay pairs (each right after its forward, with
+    its recompute before it); a placement splitting one is refused, naming it."""
+    program = dual_pipe_v(2 * K + extra, remat).program(2 * K)
+    drawn = data.draw(st.lists(st.integers(0, 2 * K - 1), min_size=2 * K, max_size=2 * K))
+    labels: dict[int, int] = {}
+    workers = [labels.setdefault(w, len(labels)) for w in drawn]
+    split = split_pair(program, workers)
+    if split is not None:
+        with pytest.raises(ValueError, match=rf"split the overlapped pair {re.escape(str(split))}"
+                                             rf": stage {split.forward.stage} goes to worker "
+                                             rf"{workers[split.forward.stage]} and stage "
+                                             rf"{split.backward.stage} to worker "
+                                             rf"{workers[split.backward.stage]}"):
+            colocate(program, workers)
+        colocate(program.sequential(), workers)  # the advice, followed, works
+        return
+    merged = validate(colocate(program, workers))
+    assert merged.overlaps == program.overlaps and merged.placement == tuple(workers)
+    paired = sum((list(units) for units in merged.units), [])
+    assert sum(isinstance(u, Overlap) for u in paired) == len(program.overlaps)
+    if remat == "always":  # each pair's recompute just before it, as apply_remat puts it
+        for before, unit in zip(paired, paired[1:]):
+            if isinstance(unit, Overlap):
+                assert before == Action(unit.backward.stage, R, unit.backward.microbatch)
+
+
+def test_colocate_merging_whole_workers_keeps_the_pairs():
+    program = dual_pipe_v(8).program(8)  # 4 workers, pairs on each
+    merged = colocate(program, [w // 2 for w in program.placement])
+    assert merged.n_workers == 2 and merged.overlaps == program.overlaps
+    assert len(program.overlaps) > 0
+
+
+@pytest.mark.parametrize("schedule, n_stages", [
+    (dual_pipe_v(2), 2), (dual_pipe_v(4), 4), (dual_pipe_v(7), 4), (dual_pipe_v(9), 6),
+    (dual_pipe_v(6, "always"), 4), (dual_pipe_v(6, "except_last"), 6)])
+def test_each_await_comes_right_before_its_pairs_forward(schedule, n_stages):
+    """A worker's instructions are its actions in order, with an ``await`` of each pair's
+    backward inserted right before the pair's forward, so the forward waits for the
+    backward's inputs (a pair starts as one unit); the backward follows the forward."""
+    program = schedule.program(n_stages)
+    pair_of = {o.forward: o for o in program.overlaps}
+    for actions, plan in zip(program.workers, compiled({}, program, True), strict=True):
+        expected = []
+        for action in actions:
+            pair = pair_of.get(action)
+            if pair is not None:
+                expected.append((None, pair.backward.stage, pair.backward.microbatch))
+            expected.append((action.op, action.stage, action.microbatch))
+        assert [(kind.op, stage, mb) for kind, stage, mb in plan] == expected
+        for i, (kind, stage, mb) in enumerate(plan):
+            if kind is KINDS["await"]:
+                forward = Action(plan[i + 1][1], plan[i + 1][0].op, plan[i + 1][2])
+                assert pair_of[forward].backward == Action(stage, plan[i + 2][0].op, mb)
+    assert program.overlaps
 
 
 def test_pairs_run_exact_and_wait_as_one_unit():

@@ -121,8 +121,8 @@ def test_program_shapes():
     )
     assert str(zero_bubble(2, "always").program(1)) == "worker 0: 0F0 0R0 0I0 0W0 0F1 0R1 0I1 0W1"
     assert str(zero_bubble_v(2).program(4)) == (
-        "worker 0: 0F0 0F1 3F0 3I0 3F1 3I1 0I0 3W0 0I1 3W1 0W0 0W1\n"
-        "worker 1: 1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1"
+        "worker 0: 0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1\n"
+        "worker 1: 1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1"
     )
 
 

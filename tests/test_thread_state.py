@@ -150,6 +150,32 @@ def test_a_step_under_the_profiler(started):
     assert {span_name(action) for worker in program.workers for action in worker} <= names
 
 
+@pytest.mark.parametrize("how", ["record=", "StepLog(bubble=True)"])
+def test_a_recorded_step_under_the_profiler_has_every_actions_span(how):
+    """A step that records its timeline (``record=``, or every step with
+    ``StepLog(bubble=True)``) times each action for the recorder and still opens its
+    ``fpipe::`` profiler span: both, not one instead of the other."""
+    config = all_threads_config()
+    params = mlp_params(3)
+    x, target = (t.double() for t in data())
+    recorder = fpipe.Recorder()
+    with fpipe.pipeline([block] * 3, params, schedule=one_f_one_b(chunks=4),
+                        loss_fn=mse) as pipe:
+        if how != "record=":
+            pipe.step_log = fpipe.StepLog(bubble=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    experimental_config=config) as prof:
+            if how == "record=":
+                pipe.value_and_grad(x, target, record=recorder)
+            else:
+                pipe.value_and_grad(x, target)
+        assert pipe.last_step.bubble is not None  # the step was recorded
+    program = pipe.program
+    actions = sorted(span_name(a) for worker in program.workers for a in worker)
+    spans = sorted(e.name for e in prof.events() if e.name.startswith("fpipe::"))
+    assert spans == actions
+
+
 def test_a_profiler_of_the_callers_thread_alone_is_said_once(monkeypatch):
     """Without ``profile_all_threads`` torch records only the caller's thread (one worker):
     a warning says how to see them all, once; a one-worker pipeline has nothing to say."""

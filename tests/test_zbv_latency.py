@@ -1,11 +1,15 @@
-"""ZB-V under hand-off latency: given the costs, fpipe's order is at most as long as torch's and
-the zero-bubble authors' (tests/zbv_peers.py), at ZB-V's memory."""
+"""ZB-V under hand-off latency: without costs, fpipe's order is torch's, so never longer than
+it; given the costs, it is at most as long as torch's and the zero-bubble authors'
+(tests/zbv_peers.py), at ZB-V's memory."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from zbv_peers import authors_zero_bubble_v, torch_zero_bubble_v
 
 from fpipe.schedules import Costs, ZeroBubbleV, simulate, validate, zero_bubble_v
 from fpipe.schedules.v_shape import fill_weight_gradients, handcrafted_v
+from fpipe.schedules.zero_bubble import SLACKS, v_shape_order
 
 # F = I = W = 1; latency in forwards.
 GRID = [(4, m, latency) for m in (8, 16, 32) for latency in (0.1, 0.25, 0.5)] + [
@@ -17,6 +21,45 @@ SHORT = {(8, 8, 0.1)}
 
 def costs_with(latency):
     return Costs(forward=1, backward_input=1, backward_weight=1, latency=latency)
+
+
+def idle_inside(sim):
+    """Per worker, the time it waits between its first action's start and its last's end."""
+    return tuple(spans[-1].end - spans[0].start - sum(s.end - s.start for s in spans)
+                 for spans in sim.timeline)
+
+
+@pytest.mark.parametrize("K, chunks, latency", [
+    (K, m, latency) for K in (4, 8) for m in (8, 16, 32) for latency in (0.0, 0.1, 0.25, 0.5)])
+def test_zero_bubble_v_without_costs_is_at_most_torch(K, chunks, latency):
+    costs = costs_with(latency)
+    ours = simulate(zero_bubble_v(chunks).program(2 * K), costs).makespan
+    assert ours <= simulate(torch_zero_bubble_v(K, chunks), costs).makespan
+
+
+@given(st.integers(1, 8), st.integers(1, 40))
+def test_zero_bubble_v_without_costs_is_torchs_order_and_idles_inside_no_busy_span(K, chunks):
+    """torch's order action for action; with equal costs and free hand-offs, no worker waits
+    between its first action and its last once there are the 2K-1 micro-batches the V is laid
+    out for (with fewer, torch's waits too)."""
+    program = zero_bubble_v(chunks).program(2 * K)
+    assert program == torch_zero_bubble_v(K, chunks)
+    if chunks >= 2 * K - 1:
+        assert idle_inside(simulate(program, costs_with(0.0))) == (0.0,) * K
+
+
+@given(st.integers(1, 5), st.integers(1, 16), st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
+       st.sampled_from([0.5, 1.0, 2.0]))
+def test_zero_bubble_v_given_costs_is_the_fastest_candidate(K, chunks, latency, i_cost):
+    """The fastest of the hand-written V, the unit-step order and both with their W moved; of
+    those tied, the first (so the hand-written V, torch's order, when nothing is faster)."""
+    costs = Costs(forward=1, backward_input=i_cost, backward_weight=1, latency=latency)
+    bases = (handcrafted_v(chunks, K), v_shape_order(chunks, K, cap=2 * K))
+    candidates = [*bases, *(fill_weight_gradients(base, costs, cap=2 * K, slack=slack)
+                            for base in bases for slack in SLACKS)]
+    spans = [simulate(program, costs).makespan for program in candidates]
+    chosen = zero_bubble_v(chunks, costs=costs).program(2 * K)
+    assert chosen == candidates[spans.index(min(spans))]
 
 
 @pytest.mark.parametrize("K, chunks, latency", GRID)
@@ -42,13 +85,22 @@ def test_the_one_case_where_the_authors_order_is_shorter():
 
 @pytest.mark.parametrize("K, chunks", [(4, 16), (8, 32)])
 def test_the_unit_order_is_what_latency_hurts(K, chunks):
-    """Why costs matter: without them the order is the unit-step one, which latency hurts more
-    than it hurts torch's; with free hand-offs the costs keep it (nothing is faster)."""
+    """Why the default is the hand-written V: latency hurts the unit-step order more than
+    torch's; with free hand-offs the costs keep the hand-written V (nothing is faster)."""
     costs = costs_with(0.5)
-    unit = ZeroBubbleV(chunks).program(2 * K)
+    unit = v_shape_order(chunks, K, cap=2 * K)
     assert simulate(unit, costs).makespan > simulate(torch_zero_bubble_v(K, chunks),
                                                      costs).makespan
-    assert zero_bubble_v(chunks, costs=costs_with(0.0)).program(2 * K) == unit
+    assert ZeroBubbleV(chunks).program(2 * K) == handcrafted_v(chunks, K)
+    assert zero_bubble_v(chunks, costs=costs_with(0.0)).program(2 * K) == handcrafted_v(chunks, K)
+
+
+def test_with_fewer_micro_batches_than_the_v_the_costs_pick_the_unit_order():
+    """Below 2K-1 micro-batches the hand-written V is laid out for more than there are, and
+    with free hand-offs the unit-step order is shorter (55 against torch's 62 at K = 8, m = 8)."""
+    costs = costs_with(0.0)
+    chosen = simulate(zero_bubble_v(8, costs=costs).program(16), costs).makespan
+    assert (chosen, simulate(zero_bubble_v(8).program(16), costs).makespan) == (55.0, 62.0)
 
 
 @pytest.mark.parametrize("K, chunks", [(1, 1), (1, 3), (2, 1), (2, 3), (3, 5), (4, 8)])

@@ -4,7 +4,8 @@ list scheduling over the dependency graph.
 V-shaped, look-ahead and other research schedules are usually written as index arithmetic per
 worker, which is easy to get wrong and hard to vary. Here a schedule is a rule instead: each
 time a worker is free, it runs, of the actions whose inputs have arrived, the one its priority
-ranks first; a forward waits while the worker already holds its cap of live micro-batches.
+ranks first; a forward waits while the worker already holds its cap of live pairs (a live
+pair: a (stage, micro-batch) forwarded on the worker, its backward not finished).
 Running this under costs records an execution, so the program is valid by construction, and
 no cap can make it hang (see :func:`list_schedule`).
 """
@@ -47,8 +48,11 @@ def list_schedule(n_stages: int, chunks: int, placement: Sequence[int], *,
 
     - ``placement[s]``: the worker of stage ``s`` (workers numbered from 0, none left empty).
     - ``rule``: the per-worker priority (:data:`Rule`); :func:`backward_first` by default.
-    - ``in_flight``: each worker's cap on live micro-batch-stages (forwarded, backward not
-      finished), one number for all or one per worker; ``None``, no cap.
+    - ``in_flight``: each worker's cap on live pairs, the (stage, micro-batch) pairs it has
+      forwarded and not finished the backward of (``B``, or the ``W`` of a split backward):
+      what :attr:`~fpipe.schedules.Simulation.peak_activations` counts. One number for all
+      or one per worker; ``None``, no cap. A worker holding two stages of one micro-batch
+      holds two pairs.
     - ``split_backward``: ``I`` and ``W`` instead of ``B``.
 
     Each stage runs its forwards, its backwards and its ``W`` in micro-batch order (so

@@ -42,7 +42,7 @@ class DualPipeV:
 
     Why: like ZB-V it turns each micro-batch round on the worker that started it and fills
     the drain with weight gradients; its steady state of forward-backward pairs keeps every
-    worker at most 2K+1 stage-halves alive (ZB-V: 2K), and where forward and backward can
+    worker at most 2K+1 live pairs (ZB-V: 2K), and where forward and backward can
     overlap (two streams, communication hidden) it hides the transfers that ZB-V exposes.
     Run one action at a time, as fpipe does, expect about ZB-V's time (simulate with your
     costs).

@@ -1,6 +1,7 @@
 """Memory in bytes: each worker's peak over a program, and a program checked against a budget.
 
-Counting live micro-batches says which schedule holds more, not whether it fits a device. With
+Counting live pairs (``peak_activations``: (stage, micro-batch) pairs forwarded, backward not
+finished) says which schedule holds more, not whether it fits a device. With
 the bytes a stage's forward keeps (measured by :func:`fpipe.timeline.stage_memory`, or given)
 and the parameter, gradient and optimiser bytes, a program's peak on each worker follows from
 each worker's order alone, so it can be checked before anything runs.

@@ -53,10 +53,12 @@ class Simulation:
     against it (GPipe with remat has a larger bubble than without, as it is slower);
     ``breakdown`` splits it into recompute, overhead and idle time.
 
-    ``peak_activations[w]`` is the most (stage, micro-batch) pairs on worker ``w`` alive at once:
-    forwarded, with the backward not finished (the ``B``, or the ``W`` of a split backward, since
-    the weight gradient still reads the saved activations). A pair that will be recomputed
-    counts too, as it holds its input; a forward with no backward (inference) keeps nothing.
+    ``peak_activations[w]`` is the most live pairs on worker ``w`` at once: (stage,
+    micro-batch) pairs forwarded, with the backward not finished (the ``B``, or the ``W`` of a
+    split backward, since the weight gradient still reads the saved activations). A worker
+    holding two stages counts a micro-batch once per stage it holds it on. A pair that will be
+    recomputed counts too, as it holds its input; a forward with no backward (inference) keeps
+    nothing.
 
     ``peak_full_activations`` counts only pairs holding full activations: forwards that are not
     recomputed later, and recomputed pairs between their ``R`` and the end of their backward.
@@ -164,8 +166,9 @@ class UnmeasuredCostWarning(UserWarning):
 
 
 def in_flight(program: Program) -> tuple[int, ...]:
-    """Per stage, the most micro-batches forwarded and not yet backward-finished at once, from
-    program order alone (the backward finishes at ``B``, or at ``W`` in a split backward)."""
+    """Per stage, the most of its live pairs at once (its micro-batches forwarded and not yet
+    backward-finished), from program order alone (the backward finishes at ``B``, or at ``W``
+    in a split backward)."""
     peaks = [0] * program.n_stages
     for actions in program.workers:
         live = [0] * program.n_stages

@@ -1,7 +1,9 @@
 """Hypothesis strategies for property-testing schedules: valid programs, and broken ones.
 
-``programs()`` draws valid training programs of many shapes: several stages per worker, idle
-workers, split backwards (``I`` and ``W``), recomputes (``R``), in any order the rules allow.
+``programs()`` draws valid training programs of many shapes: the shipped families' and any
+order the rules allow, several stages per worker, idle workers, split backwards (``I`` and
+``W``), recomputes (``R``), overlapped pairs; most of them with several busy workers, stages
+and micro-batches.
 ``corruptions(programs())`` draws ``(program, rule)`` pairs: a valid program with one small
 fault that :func:`fpipe.schedules.validate` rejects naming ``rule``. A schedule constructor can
 be held to the rules with them::
@@ -30,9 +32,8 @@ except ImportError as error:  # pragma: no cover - exercised without hypothesis 
         "fpipe.schedules.strategies needs hypothesis: pip install hypothesis"
     ) from error
 
+from fpipe.schedules import _orders
 from fpipe.schedules.actions import Action, B, F, I, Program, R, W
-from fpipe.schedules.gpipe import gpipe
-from fpipe.schedules.one_f_one_b import one_f_one_b
 from fpipe.schedules.remat import POLICIES
 from fpipe.schedules.validate import dependencies, execution_order, validate
 
@@ -64,97 +65,42 @@ def remat_policies(n_stages: int) -> st.SearchStrategy:
 @st.composite
 def programs(draw, max_stages: int = 6, max_microbatches: int = 6, *,
              max_workers: int | None = None, split: bool | None = None,
-             remat: bool | None = None, training: bool = True) -> Program:
+             remat: bool | None = None, overlap: bool | None = None,
+             training: bool = True) -> Program:
     """A valid program for 1 to ``max_stages`` stages and 1 to ``max_microbatches``
     micro-batches, on 1 to ``max_workers`` workers (default: as many as stages).
 
-    An order of all actions that respects every dependency (a shipped schedule's, or any at
-    all) is projected onto a random placement of stages on workers, so several stages may share
-    a worker and a worker may hold none; a projection of one global order cannot deadlock.
+    An order of all actions that respects every dependency (the order of a shipped schedule of
+    any family that fits the sizes, or any order at all) is projected onto workers: the
+    family's own placement, contiguous blocks of stages, or a random placement, so several
+    stages may share a worker and a worker may hold none; a projection of one global order
+    cannot deadlock. Sizes lean large: at least 4 stages, 4 micro-batches and 2 workers in
+    three draws of four each, where the bounds allow.
+
     ``split`` makes every backward a split one (``True``), none (``False``), or draws per
-    program, all, none or some (``None``); ``remat`` likewise adds recomputes. With
-    ``training=False`` the program holds only its forwards (inference).
+    program, all, none or some (``None``); ``remat`` likewise adds recomputes, and
+    ``overlap`` overlapped pairs (:class:`~fpipe.schedules.Overlap`: a forward and a backward
+    of another stage and micro-batch on its worker, moved right after it where that keeps the
+    order valid). With ``training=False`` the program holds only its forwards (inference).
     """
-    n_stages = draw(st.integers(1, max_stages))
-    n_mb = draw(st.integers(1, max_microbatches))
+    n_stages = _orders.size(draw, max_stages, _orders.LARGE_STAGES)
+    n_mb = _orders.size(draw, max_microbatches, _orders.LARGE_MICROBATCHES)
+    most = max(1, max_workers or n_stages)
+    own = None
     if draw(st.booleans()):
-        order = draw(_constructor_order(n_stages, n_mb, split, remat))
+        _, base = draw(_orders.shipped(n_stages, n_mb))
+        order = _orders.reshaped(draw, base, split, remat)
+        if base.n_workers <= most and draw(st.booleans()):
+            own = (base.n_workers, list(base.placement))
     else:
-        order = draw(_any_order(n_stages, n_mb, split, remat))
-    n_workers = draw(st.integers(1, max(1, max_workers or n_stages)))
-    placement = draw(st.lists(st.integers(0, n_workers - 1), min_size=n_stages,
-                              max_size=n_stages))
+        order = draw(_orders.any_order(n_stages, n_mb, split, remat))
+    n_workers, placement = own or _orders.placement(draw, n_stages, most)
+    pairs: set = set()
+    if training:
+        order, pairs = _orders.with_pairs(draw, order, placement, n_stages, overlap)
     workers = [[a for a in order if placement[a.stage] == w] for w in range(n_workers)]
-    program = Program(workers, n_stages, n_mb)
+    program = Program(workers, n_stages, n_mb, pairs)
     return program if training else program.forward_only()
-
-
-def _pairs_drawn(draw, choice: bool | None, pairs: list[tuple[int, int]]) -> set:
-    """All pairs, none, or (``choice`` None) all, none or a random subset."""
-    if choice is None:
-        choice = draw(st.sampled_from([True, False, None]))
-    if choice is None:
-        return {p for p in pairs if draw(st.booleans())}
-    return set(pairs) if choice else set()
-
-
-@st.composite
-def _constructor_order(draw, n_stages: int, n_mb: int, split: bool | None,
-                       remat: bool | None) -> list[Action]:
-    """The global order of a shipped schedule, its backwards split as drawn (each W right
-    after its I, or deferred to the end), and recomputes right before their backwards."""
-    make = draw(st.sampled_from([gpipe, one_f_one_b]))
-    program = make(n_mb, "never").program(n_stages)
-    pairs = [(s, m) for s in range(n_stages) for m in range(n_mb)]
-    splits = _pairs_drawn(draw, split, pairs)
-    redo = _pairs_drawn(draw, remat, pairs)
-    order, deferred = [], []
-    for action in execution_order(program):
-        pair = (action.stage, action.microbatch)
-        if action.op is not B:
-            order.append(action)
-            continue
-        if pair in redo:
-            order.append(Action(action.stage, R, action.microbatch))
-        if pair not in splits:
-            order.append(action)
-            continue
-        order.append(Action(action.stage, I, action.microbatch))
-        weight = Action(action.stage, W, action.microbatch)
-        (deferred if draw(st.booleans()) else order).append(weight)
-    return order + deferred
-
-
-@st.composite
-def _any_order(draw, n_stages: int, n_mb: int, split: bool | None,
-               remat: bool | None) -> list[Action]:
-    """Any order of the actions that respects every dependency: at each step, one of the
-    actions whose dependencies are done, drawn."""
-    pairs = [(s, m) for s in range(n_stages) for m in range(n_mb)]
-    splits = _pairs_drawn(draw, split, pairs)
-    redo = _pairs_drawn(draw, remat, pairs)
-    actions = []
-    for s, m in pairs:
-        actions.append(Action(s, F, m))
-        if (s, m) in redo:
-            actions.append(Action(s, R, m))
-        actions += [Action(s, I, m), Action(s, W, m)] if (s, m) in splits else [Action(s, B, m)]
-    present = frozenset(actions)
-    waiting = {a: len(dependencies(a, present, n_stages)) for a in actions}
-    unlocks: dict[Action, list[Action]] = {a: [] for a in actions}
-    for action in actions:
-        for need, _ in dependencies(action, present, n_stages):
-            unlocks[need].append(action)
-    ready = [a for a in actions if waiting[a] == 0]
-    order = []
-    while ready:
-        action = ready.pop(draw(st.integers(0, len(ready) - 1)))
-        order.append(action)
-        for later in unlocks[action]:
-            waiting[later] -= 1
-            if waiting[later] == 0:
-                ready.append(later)
-    return order
 
 
 @st.composite

@@ -1,14 +1,15 @@
 """Orders for the V (2K stages on K workers, worker w holding stages w and 2K-1-w) that hold up
 when handing a result to another worker takes time.
 
-The unit-step order of :class:`~fpipe.schedules.ZeroBubbleV` is perfect when F, I and W cost
-the same and a hand-off is free, but it packs forwards tightly, so any hand-off latency shows
-up as idle time in the middle of the step. Two things help: the zero-bubble paper's
-hand-written V (its Figure 5: in the steady state each worker runs a forward, an ``I`` and a
-``W`` of each of its stages in turn, the ``W`` leaving room for the next input to arrive), and
-moving each ``W``, which nothing waits for, into the waits that the costs predict. Which is
-best depends on the costs, so :class:`~fpipe.schedules.ZeroBubbleV` given costs simulates them
-all and keeps the fastest.
+The unit-step V order (:func:`~fpipe.schedules.zero_bubble.v_shape_order`) is perfect when
+F, I and W cost the same and a hand-off is free, but it packs forwards tightly, so any hand-off
+latency shows up as idle time in the middle of the step. Two things help: the zero-bubble
+paper's hand-written V (its Figure 5: in the steady state each worker runs a forward, an ``I``
+and a ``W`` of each of its stages in turn, the ``W`` leaving room for the next input to
+arrive), which is :class:`~fpipe.schedules.ZeroBubbleV`'s order without costs, and moving each
+``W``, which nothing waits for, into the waits that the costs predict. Which is best depends on
+the costs, so :class:`~fpipe.schedules.ZeroBubbleV` given costs simulates them all and keeps
+the fastest.
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ class ZeroBubble:
     Why: 1F1B's input gradients travel back at the pace of whole backwards; here they travel
     at the pace of ``I`` alone and the ``W`` actions fill the drain, so with equal F, I and W
     costs the idle time per worker falls from 1F1B's (K-1)(F+I+W) to (K-1)(F+I-W), a third.
-    The trade: every worker may hold K micro-batches alive, as many as 1F1B's first worker but
-    more than 1F1B's later workers (K-w on worker w).
+    The trade: every worker may hold K live pairs (its stage's micro-batches forwarded, ``W``
+    not run), as many as 1F1B's first worker but more than 1F1B's later workers (K-w on worker
+    w).
     """
 
     chunks: int
@@ -59,7 +60,7 @@ class ZeroBubble:
         which makes the program valid whenever 1F1B's is, as a ``W`` needs only its own ``I``,
         earlier on the same worker. The ``W`` actions follow the ``I`` actions one for one, in
         micro-batch order, but the first comes only after the (w+1)-th ``I``: the delay that
-        brings every worker to K live micro-batches. The ``W`` left go last."""
+        brings every worker to K live pairs. The ``W`` left go last."""
         stage_count(n_stages)
         workers = [self._worker(w, n_stages) for w in range(n_stages)]
         return apply_remat(Program(workers, n_stages, self.chunks), self.remat)
@@ -88,18 +89,26 @@ class ZeroBubbleV:
     Why: the V puts the first and the last stage on worker 0, so the worker that starts a
     micro-batch is also the one that turns it round, and the fill of the pipeline can be spent
     on forwards of the first stage; with the ``W`` actions filling the rest, the bubble nearly
-    vanishes when F, I and W cost the same, while every worker holds at most 2K stage-halves
-    alive, the memory 1F1B's first worker needs for K whole micro-batches. The trade: twice
-    the transfers of 1F1B, and an order tuned for equal F, I and W costs: with an ``I`` much
-    dearer than F and W it can fall behind 1F1B (simulate with your costs; ``zero_bubble`` does
-    not have that weakness).
+    vanishes when F, I and W cost the same, while every worker holds at most 2K live pairs
+    (of half-size stages), the memory 1F1B's first worker needs for K whole micro-batches.
+    The trade: twice the transfers of 1F1B, and an order tuned for equal F, I and W costs: with
+    an ``I`` much dearer than F and W it can fall behind 1F1B (simulate with your costs;
+    ``zero_bubble`` does not have that weakness).
 
-    Without ``costs`` the order is the unit-step one below, which packs forwards tightly: a
-    hand-off latency of a tenth of a forward leaves idle gaps mid step. With ``costs`` (a
+    Without ``costs`` the order is the zero-bubble paper's hand-written V (its Figure 5, the
+    order of torch's ``ScheduleZBVZeroBubble`` action for action): in its steady state each
+    worker runs an F, an I and a W of each of its stages in turn, and the ``W`` leaves room for
+    the next input to arrive. So a hand-off that takes time costs it little (at most torch's
+    makespan, as it is torch's order), and with equal F, I and W costs and free hand-offs no
+    worker idles inside its busy span once there are 2K-1 micro-batches. The unit-step order
+    (:func:`v_shape_order`), which packs forwards tightly, is as fast only when hand-offs are
+    free: a hand-off of half a forward makes it 29% longer than torch's (K=4, 32
+    micro-batches), so it is not the default. With ``costs`` (a
     :class:`~fpipe.schedules.Costs`, e.g. fitted to a recorded step), the program is the
-    fastest under them of: that order, the paper's hand-written V (which leaves room for the
-    next input in its steady state), and both with each ``W`` moved into the waits the costs
-    predict (:mod:`fpipe.schedules.v_shape`); every one holds at most 2K pairs per worker.
+    fastest under them of: the hand-written V, the unit-step order (shorter with fewer than
+    2K-1 micro-batches and short hand-offs), and both with each ``W`` moved into the waits the
+    costs predict (:mod:`fpipe.schedules.v_shape`); every one holds at most 2K pairs per
+    worker.
     """
 
     chunks: int
@@ -113,37 +122,49 @@ class ZeroBubbleV:
                             f"{type(self.costs).__name__}")
 
     def program(self, n_stages: int) -> Program:
-        """Each worker's order is the one it follows when all of them run in unit steps (F, I
-        and W cost the same) and, at each step, each worker takes the first of: a forward whose
-        input is there, of its second stage first, if it holds fewer than 2K pairs alive; an
-        ``I`` whose gradient is there, of its first stage first; its oldest pending ``W``.
-        A program that records an execution is valid by construction."""
+        """Worker w's order is :func:`~fpipe.schedules.v_shape.handcrafted_v`'s: 2(K-w)-1
+        forwards of its first stage, w pairs of forwards (second stage, then first), K-w rounds
+        of F, I, W of its second stage, then the steady state (F, I, W of the first stage, then
+        of the second) and the drain. With ``costs``, :func:`fastest_v` of it."""
         stage_count(n_stages)
         if n_stages % 2:
             raise stage_count_error(
                 f"zero_bubble_v places 2K stages on K workers in a V (worker w holds stages w "
                 f"and 2K-1-w), so it needs an even number of stages, got {n_stages}"
             )
-        program = v_shape_order(self.chunks, n_stages // 2, cap=n_stages)
+        program = handcrafted_v(self.chunks, n_stages // 2)
         if self.costs is not None:
             program = fastest_v(program, self.costs, n_stages)
         return apply_remat(program, self.remat)
 
 
 @functools.lru_cache(maxsize=64)
-def fastest_v(unit_order: Program, costs: Costs, n_stages: int) -> Program:
+def fastest_v(hand_written: Program, costs: Costs, n_stages: int) -> Program:
     """Of the V orders :class:`ZeroBubbleV` describes, the one with the least simulated
-    makespan under ``costs`` (the first of those tied, so equal costs keep the unit order)."""
+    makespan under ``costs`` (the first of those tied, so costs under which nothing is faster
+    keep the hand-written V, torch's order)."""
     costs = costs.for_stages(n_stages)
-    bases = (unit_order, handcrafted_v(unit_order.n_microbatches, n_stages // 2))
-    candidates = [*bases, *(fill_weight_gradients(base, costs, cap=n_stages, slack=slack)
-                            for base in bases[::-1] for slack in SLACKS)]
-    return min(candidates, key=lambda program: simulate(program, costs).makespan)
+    chunks, n_workers = hand_written.n_microbatches, n_stages // 2
+    return min(v_candidates(hand_written, v_shape_order(chunks, n_workers, cap=n_stages), costs),
+               key=lambda program: simulate(program, costs).makespan)
+
+
+def v_candidates(hand_written: Program, unit_order: Program, costs: Costs) -> list[Program]:
+    """The orders :func:`fastest_v` chooses from, in the order ties are broken: the two bases,
+    then the hand-written V and the unit-step order with their ``W`` moved at each of
+    :data:`SLACKS`."""
+    cap = hand_written.n_stages
+    return [hand_written, unit_order,
+            *(fill_weight_gradients(base, costs, cap=cap, slack=slack)
+              for base in (hand_written, unit_order) for slack in SLACKS)]
 
 
 def v_shape_order(chunks: int, n_workers: int, cap: int) -> Program:
-    """The execution :meth:`ZeroBubbleV.program` describes, with at most ``cap`` live pairs per
-    worker.
+    """The unit-step V: each worker's order is the one it follows when all of them run in unit
+    steps (F, I and W cost the same) and, at each step, each worker takes the first of: a
+    forward whose input is there, of its second stage first, if it holds fewer than ``cap``
+    pairs alive; an ``I`` whose gradient is there, of its first stage first; its oldest pending
+    ``W``. A program that records an execution is valid by construction.
 
     If a step finds no worker able to act, some forward is waiting only for room (the oldest
     micro-batch not yet through the V has one), so the next step lets forwards past the cap;
@@ -214,6 +235,7 @@ def zero_bubble(chunks: int, remat: object = "never") -> ZeroBubble:
 
 def zero_bubble_v(chunks: int, remat: object = "never", costs: Costs | None = None) -> ZeroBubbleV:
     """ZB-V (2K stages on K workers in a V); ``remat`` is a policy accepted by
-    :func:`normalize_remat`; with ``costs``, the order fastest under them (see
-    :class:`ZeroBubbleV`)."""
+    :func:`normalize_remat`. Without ``costs``, the paper's hand-written V, torch's
+    ``ScheduleZBVZeroBubble`` order, which hand-off latency hurts least; with ``costs``, the
+    order fastest under them (see :class:`ZeroBubbleV`)."""
     return ZeroBubbleV(chunks, remat, costs)  # type: ignore[arg-type]
