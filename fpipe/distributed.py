@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import optree
 import torch
 import torch.distributed as dist
 

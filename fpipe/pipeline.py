@@ -60,8 +60,8 @@ def pipeline(stages: Sequence[Stage] | Stages, params: Sequence[Any] | None = No
             :class:`fpipe.stages.Stages` that ``from_sequential`` / ``from_modules`` made,
             which brings its params, state and ties (``fpipe.pipeline(s, schedule=...)``).
             Stages cut with ties refuse to run without them.
-        params: one pytree of tensors per stage (not with a ``Stages``). Each stage runs on the device of its
-            parameters; they are never copied or moved. Every floating-point leaf is
+        params: one pytree of tensors per stage (not with a ``Stages``). Each stage runs on
+            the device of its parameters; they are never copied or moved. Every floating-point leaf is
             differentiated (as ``torch.func`` does, whatever its ``requires_grad``) except an
             ``nn.Parameter`` with ``requires_grad=False``, which is frozen: its gradient is
             ``None`` (``from_modules`` passes a model's frozen parameters so). A leaf no

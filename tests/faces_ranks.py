@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 from distributed_ranks import _outcome, data
-from torch import nn
 from models import block, mlp_params, mse
+from torch import nn
 
 import fpipe.distributed as fdist
 from fpipe.schedules import one_f_one_b

@@ -144,7 +144,7 @@ def test_from_sequential_trains_buffer_updating_layers_as_plain_pytorch(name, re
     plain, data = build(MODELS[name]), batches()
     model = copy.deepcopy(plain)
     s = from_sequential(model, [2, 2] if len(model) == 4 else [1, 2])
-    expected = plain_steps(plain, data, chunks=4)
+    plain_steps(plain, data, chunks=4)
     optimizer = torch.optim.SGD(optree.tree_leaves(s.params), lr=0.1)
     state = s.state
     with fpipe.pipeline(s, schedule=gpipe(chunks=4, remat=remat), loss_fn=F.mse_loss) as pipe:

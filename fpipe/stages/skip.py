@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-
 __all__ = ["Skippable", "skippable", "skip_routes", "SkipError"]
 
 
