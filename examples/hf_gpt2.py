@@ -11,8 +11,9 @@ all. ``fpipe.stages.from_modules(..., root=model)`` turns them into stages: the 
 in the first stage and the last, so each gets a copy and ``s.ties`` names the pair; the
 pipeline, given the Stages value ``s`` itself (which brings ``s.ties``), sums the two copies'
 gradients, so the same optimiser step keeps them equal. The data follows the rule
-``next = (5 * token + 3) % vocab``, so the loss falls as the model learns it. At the end the trained weights are handed back to the model
-(both names of the tied weight), whose own forward gives the final loss.
+``next = (5 * token + 3) % vocab``, so the loss falls as the model learns it. At the end the
+trained weights are handed back to the model (both names of the tied weight), whose own
+forward gives the final loss.
 """
 
 from __future__ import annotations

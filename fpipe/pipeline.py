@@ -61,11 +61,12 @@ def pipeline(stages: Sequence[Stage] | Stages, params: Sequence[Any] | None = No
             which brings its params, state and ties (``fpipe.pipeline(s, schedule=...)``).
             Stages cut with ties refuse to run without them.
         params: one pytree of tensors per stage (not with a ``Stages``). Each stage runs on
-            the device of its parameters; they are never copied or moved. Every floating-point leaf is
-            differentiated (as ``torch.func`` does, whatever its ``requires_grad``) except an
-            ``nn.Parameter`` with ``requires_grad=False``, which is frozen: its gradient is
-            ``None`` (``from_modules`` passes a model's frozen parameters so). A leaf no
-            stage's output depends on also gets ``None``.
+            the device of its parameters; they are never copied or moved. Every
+            floating-point leaf is differentiated (as ``torch.func`` does, whatever its
+            ``requires_grad``) except an ``nn.Parameter`` with ``requires_grad=False``,
+            which is frozen: its gradient is ``None`` (``from_modules`` passes a model's
+            frozen parameters so, and its copies follow the model's parameters from step
+            to step). A leaf no stage's output depends on also gets ``None``.
         schedule: a schedule value such as ``gpipe(chunks=8)`` or ``one_f_one_b(chunks=8)``,
             anything with a ``program(n_stages) -> Program`` method (a ``Program`` itself), or
             a function ``n_stages -> Program``.
