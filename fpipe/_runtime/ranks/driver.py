@@ -104,10 +104,11 @@ class RankDriver:
             header[6] = _status(target, "target", errors)
         first_rank, last_rank = self.ranks[first], self.ranks[last]
         words = torch.tensor(header, dtype=torch.int64, device=self.wire)
+        work = dist.all_reduce(words, group=self.group, async_op=True)
+        # Recorded once the all-reduce is on its way: the store's round trip overlaps it.
         self.faults.arrive(self.calls)
-        self.faults.wait(dist.all_reduce(words, group=self.group, async_op=True),
-                         lambda: f"every rank of the pipeline to start call {self.calls} (its "
-                                 f"header)",
+        self.faults.wait(work, lambda: f"every rank of the pipeline to start call "
+                                       f"{self.calls} (its header)",
                          first_rank, late=lambda: self.faults.late(self.ranks, self.calls))
         n, seed, call_first, calls_first, input_status, target_size, target_status = (
             words.tolist())
