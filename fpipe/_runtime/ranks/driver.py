@@ -84,9 +84,9 @@ class RankDriver:
     def header(self, x: Any, target: Any, seed: int,
                call: int) -> tuple[int, int, BatchError | None]:
         """The batch size and the step's seed, agreed by every rank before any action: one
-        sum over the ranks (:func:`_summing`) of a few integers, each filled by the rank that knows it. The rank
-        of stage 0 gives the batch size, the seed and what it was called for
-        (``CALLS[call]``, and how many calls it made), or says its input is missing or has no
+        sum over the ranks (:func:`_summing`) of a few integers, each filled by the rank that
+        knows it. The rank of stage 0 gives the batch size, the seed and what it was called
+        for (``CALLS[call]``, and how many calls it made), or says its input is missing or has no
         batch size; the rank of the last stage gives its target's batch size, or says it has
         none. So a bad input or target is known to every rank before any value is exchanged:
         returned as the third item, for every rank to raise alike (the rank that holds it with
