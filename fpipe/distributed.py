@@ -5,7 +5,7 @@ a stage computes exactly what it computes in the local driver; only the channel 
 cross ranks as point-to-point messages (:mod:`fpipe._runtime.ranks.p2p`). This module is the
 public face: checks, micro-batching and results, as ``fpipe.pipeline``'s.
 :class:`fpipe._runtime.ranks.driver.RankDriver` runs each step in lockstep: a header
-all-reduced by the pipeline's ranks (the batch size, the step's random seed and what it was
+summed over the pipeline's ranks (the batch size, the step's random seed and what it was
 called for, the target's size: ranks called differently raise, not mix), this rank's actions,
 the loss broadcast from the rank of the last stage.
 

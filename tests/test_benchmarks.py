@@ -20,7 +20,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     "dispatch_overhead.py", "simulated_vs_measured.py", "memory.py", "split_backward.py",
     "resnet101.py", "search.py", "gpu.py", "amoeba.py",
     # [bench]: without numpy, torch.distributed.pipelining's rows are marked not run.
-    pytest.param("cpu_scaling.py", marks=pytest.mark.needs_extra)])
+    pytest.param("cpu_scaling.py", marks=pytest.mark.needs_extra),
+    pytest.param("transformer_ranks.py", marks=pytest.mark.needs_extra)])
 def test_quick_mode_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     run = patience.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],
@@ -35,6 +36,10 @@ def test_quick_mode_writes_json(script, tmp_path):
         ran = "ok" if importlib.util.find_spec("numpy") else "not run"
         assert {row["check"] for row in result["rows"]
                 if row["driver"] == "torch pipelining"} == {ran}
+    if script == "transformer_ranks.py":  # both libraries at both batches, the same loss
+        rows = {(row["batch"], row["row"]): row["check"] for row in result["rows"]}
+        ran = "ok" if importlib.util.find_spec("numpy") else "not run"
+        assert rows[(16, "torch Schedule1F1B")] == rows[(256, "torch Schedule1F1B")] == ran
     if script == "gpu.py":  # every model has the rows (and torchgpipe's, if installed)
         rows = {(row["model"], row["row"]) for row in result["rows"]}
         faces = {"plain whole batch", "plain micro-batch loop", "fpipe.GPipe"}

@@ -36,6 +36,7 @@ class RankFaults:
     def __init__(self, rank: int, timeout: float) -> None:
         self.rank = rank
         self.timeout = timeout
+        self._limit = timedelta(seconds=timeout)  # made once: every wait of every step uses it
         self.store = dist.distributed_c10d._get_default_store()
         # One record for the pipelines every rank builds at once (replicas too: they are
         # built together, so this count agrees), so a failure in one replica is the one every
@@ -54,17 +55,20 @@ class RankFaults:
                 self.stop_everyone(exc)
             raise
 
-    def wait(self, work: Any, what: str, peer: int, stage: int | None = None,
-             microbatch: int | None = None, late: Callable[[], list[int]] | None = None) -> None:
+    def wait(self, work: Any, what: str | Callable[[], str], peer: int,
+             stage: int | None = None, microbatch: int | None = None,
+             late: Callable[[], list[int]] | None = None) -> None:
         """Wait for ``work`` at most ``timeout`` seconds; a failure raises the error that
         :meth:`failure_from` makes (after stopping every rank), quoting the time waited.
-        ``late``: for a collective, which ranks never came to it (:meth:`late`), named
-        instead of ``peer`` when it times out."""
+        ``what`` may be a function that says it, called only then (the waits of every step
+        format nothing). ``late``: for a collective, which ranks never came to it
+        (:meth:`late`), named instead of ``peer`` when it times out."""
         started = time.monotonic()
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            work.wait(self._limit)
         except Exception as exc:
             waited = time.monotonic() - started
+            what = what() if callable(what) else what
             if late is not None and _timed_out(exc):
                 peer = next(iter(late()), peer)
             raise self.failure_from(peer, what, stage, microbatch, exc, waited) from exc

@@ -57,7 +57,8 @@ from fpipe._runtime.workers import Aborted
 from fpipe.errors import PeerError, StageError
 from fpipe.schedules.actions import Op
 
-__all__ = ["Groups", "make_groups", "send_orders", "RankChannel", "describe_key", "DEPTH"]
+__all__ = ["Groups", "make_groups", "send_orders", "Routes", "RankChannel", "describe_key",
+           "DEPTH"]
 
 #: Receives kept posted ahead on each incoming link.
 DEPTH = 4
@@ -175,6 +176,26 @@ class _Known:
         self.meta, self.size = meta, size
 
 
+class Routes(NamedTuple):
+    """What one rank's messages are at every step of a program, read once from its
+    :func:`send_orders` (not at every step): ``positions``, each key this rank sends and its
+    place on its link; ``source``, each key it receives and the worker sending it;
+    ``incoming``, per worker sending to it, ``(position, key)`` in the order sent."""
+
+    positions: dict
+    source: dict
+    incoming: dict
+
+    @classmethod
+    def of(cls, rank: int, orders: dict) -> Routes:
+        return cls({key: i for (src, dst), keys in orders.items() if src == rank
+                    for i, key in enumerate(keys)},
+                   {key: src for (src, dst), keys in orders.items() if dst == rank
+                    for key in keys},
+                   {src: tuple(enumerate(keys)) for (src, dst), keys in orders.items()
+                    if dst == rank})
+
+
 class RankChannel:
     """This rank's messages for one step (see the module's docstring): sends posted at once and
     completed by :meth:`flush`; receives posted ahead, read in each link's order, keeping values
@@ -182,7 +203,7 @@ class RankChannel:
     ``rank`` and ``owners`` are workers; ``ranks[w]`` is worker ``w``'s global rank, which the
     messages name and ``torch.distributed`` is given."""
 
-    def __init__(self, rank: int, owners: Sequence[int], orders: dict, links: dict,
+    def __init__(self, rank: int, owners: Sequence[int], routes: Routes, links: dict,
                  faults: RankFaults, wire: torch.device, known: dict,
                  ranks: Sequence[int]) -> None:
         self.rank, self.owners, self.links, self.faults = rank, owners, links, faults
@@ -190,13 +211,9 @@ class RankChannel:
         self.wire, self.known = wire, known
         self.arrived: dict[tuple, Any] = {}
         self.sending: list[tuple[Any, torch.Tensor, int, tuple]] = []
-        self.positions = {key: i for (src, dst), keys in orders.items() if src == rank
-                          for i, key in enumerate(keys)}
-        self.source = {key: src for (src, dst), keys in orders.items() if dst == rank
-                       for key in keys}
+        self.positions, self.source = routes.positions, routes.source
         # Per incoming link: the keys still to post, and the receives posted (key, buffer, work).
-        self.expected = {src: deque(enumerate(keys)) for (src, dst), keys in orders.items()
-                         if dst == rank}
+        self.expected = {src: deque(keys) for src, keys in routes.incoming.items()}
         self.posted: dict[int, deque] = {src: deque() for src in self.expected}
         for src in self.expected:
             self._post(src)
@@ -251,8 +268,9 @@ class RankChannel:
         """Complete every send of the step (their receivers have them by now or soon)."""
         for work, _, dst, key in self.sending:
             dst = self.ranks[dst]
-            self.faults.wait(work, f"rank {dst} to take {describe_key(key)}", dst, _stage(key),
-                             key[2])
+            self.faults.wait(work, lambda dst=dst, key=key: f"rank {dst} to take "
+                                                            f"{describe_key(key)}",
+                             dst, _stage(key), key[2])
         self.sending.clear()
 
     # -- receiving -----------------------------------------------------------------------------
@@ -289,7 +307,7 @@ class RankChannel:
     def _wait(self, work: Any, src: int, key: tuple, awaited: tuple) -> None:
         src = self.ranks[src]
         try:
-            self.faults.wait(work, describe_key(awaited) + f" from rank {src}", src,
+            self.faults.wait(work, lambda: f"{describe_key(awaited)} from rank {src}", src,
                              _stage(awaited), awaited[2])
         except (StageError, PeerError):
             raise Aborted from None  # the pipeline has recorded it, and stops the step
