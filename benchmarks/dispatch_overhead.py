@@ -160,8 +160,10 @@ class MinimalThreaded:
         self.n = n
         self.jobs = [queue.SimpleQueue() for _ in range(n)]
         self.done: queue.SimpleQueue = queue.SimpleQueue()
-        for s in range(1, n):
-            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+        self.threads = [threading.Thread(target=self._serve, args=(s,), daemon=True)
+                        for s in range(1, n)]
+        for thread in self.threads:
+            thread.start()
 
     def _serve(self, s: int) -> None:
         while True:
@@ -169,11 +171,17 @@ class MinimalThreaded:
             if job is None:
                 return
             job()
+            job = None  # nothing of the step held while idle
             self.done.put(None)
 
     def close(self) -> None:
+        """Stop the threads and wait for them: a daemon thread still freeing a step's tensors
+        when the interpreter's teardown begins aborts the process ("terminate called without
+        an active exception")."""
         for s in range(1, self.n):
             self.jobs[s].put(None)
+        for thread in self.threads:
+            thread.join()
 
     def __call__(self, params, xs, ts):
         n, chunks = self.n, len(xs)
