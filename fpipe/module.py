@@ -67,12 +67,12 @@ class GPipe(nn.Module):
         self._pipelines = Pipelines()
 
     def forward(self, input: Any) -> Any:
-        check_untransformed("fpipe.GPipe's forward", input)
+        params = [dict(p.named_parameters()) for p in self.partitions]
+        check_untransformed("fpipe.GPipe's forward", input, params=params)
         check_input(input)
         if not self.partitions:
             return input  # an empty nn.Sequential: the identity, as in torchgpipe
         m = microbatches(input, self.chunks)
-        params = [dict(p.named_parameters()) for p in self.partitions]
         buffers = [dict(p.named_buffers()) for p in self.partitions]
         state = buffers
         if torch.is_inference_mode_enabled() or not self._needs_grad(input, params):
