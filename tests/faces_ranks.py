@@ -86,20 +86,6 @@ def idioms(build, args, params_of, x, target) -> dict:
     return out
 
 
-def idioms_only(rank: int, world: int) -> dict:
-    schedule = one_f_one_b(chunks=2)
-
-    def build(stages, params, **options):
-        return fdist.pipeline(stages, params, schedule=schedule, timeout=20, **options)
-
-    def args(x, target):
-        return x if rank == 0 else None, target if rank == 1 else None
-
-    x, target = data(4, 8, seed=40)
-    return idioms(build, args, lambda trees: {s: t for s, t in enumerate(trees) if s == rank},
-                  x, target)
-
-
 def faces(rank: int, world: int) -> dict:
     """:func:`run` on two ranks, worker ``w`` holding stage ``w``."""
     schedule = one_f_one_b(chunks=2)

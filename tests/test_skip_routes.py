@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
 from fpipe.stages.skip import SkipError, skip_routes, skippable
@@ -51,7 +53,6 @@ def test_bad_declarations():
 def test_the_engine_takes_skips_as_data():
     """The faces read the declarations once (``declared``); the engine gets a plain value and
     never imports the declaring layer, so another way of declaring skips needs only a Skips."""
-    import ast
     import pathlib
 
     import fpipe._runtime
@@ -67,21 +68,18 @@ def test_the_engine_takes_skips_as_data():
     with pytest.raises(TypeError):
         skips.routes["c"] = (1, 2)  # frozen: the engine cannot change a route
 
-    root = pathlib.Path(fpipe._runtime.__file__).parent
-    importers = []
+    package = pathlib.Path(fpipe._runtime.__file__).parent.parent
+    assert _imports_of(package / "_runtime", "fpipe.stages") == []
+    # ... nor the declaring layer the engine: the faces hand one to the other.
+    assert _imports_of(package / "stages", "fpipe._runtime") == []
+
+
+def _imports_of(root, prefix: str) -> list[str]:
+    """``"file: module"`` for each import under ``root`` of a module starting with ``prefix``."""
+    found = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            importers += [f"{path.relative_to(root)}: {n}" for n in names
-                          if n.startswith("fpipe.stages")]
-    assert importers == []
-    # ... nor the declaring layer the engine: the faces hand one to the other.
-    stages_root = root.parent / "stages"
-    for path in sorted(stages_root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            importers += [f"stages/{path.relative_to(stages_root)}: {n}" for n in names
-                          if n.startswith("fpipe._runtime")]
-    assert importers == []
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith(prefix)]
+    return found
