@@ -4,14 +4,18 @@ fits the budget, predicted and measured, and where the two rankings differ.
     python benchmarks/search.py [--quick] [--json PATH] [--workers K] [--budget-mb MB]
                                 [--repeat N] [--top N]
 
-1. Calibrate: on the residual-block model of benchmarks/residual.py (K stages, one worker
-   thread each, one intra-op thread per worker), record steps of 1F1B, of 1F1B with every
-   forward recomputed and of ZB-H1 at each chunk count tried, in rounds (one step of each in
-   turn), and fit ``Costs.from_timeline`` (medians) to them, as whole-model costs
-   (``Costs.as_model``), one per chunk count. Every op the search prices is measured: the
-   full backward (1F1B), the recompute (1F1B with remat ``always``: without it the fit
-   would cost a recompute as a forward) and the split backward's halves (ZB-H1). Measure
-   the activation bytes with ``fpipe.timeline.stage_memory``.
+1. Calibrate: on the residual-block model of benchmarks/residual.py (one worker thread each,
+   one intra-op thread per worker), record steps at each chunk count tried and at each stage
+   count (K stages: 1F1B, 1F1B with every forward recomputed and ZB-H1; 2K stages: their
+   interleaved forms, two stages per worker), in rounds (one step of each in turn), and fit
+   ``Costs.from_timeline`` (medians) to them, per stage, one per (chunk count, stage count):
+   each candidate is priced on the stage count it runs at. Every op the search prices is
+   measured: the full backward (1F1B), the recompute (remat ``always``: without it the fit
+   would cost a recompute as a forward) and the split backward's halves (ZB-H1). Halving the
+   K-stage costs for 2K stages priced split-backward programs 11-18% fast: the first stage
+   of a loss step computes no input gradient, so at K=2 the fitted input half was half the
+   model's, not the whole model's. Measure the activation bytes with
+   ``fpipe.timeline.stage_memory``.
 2. Choose: ``choose_schedule`` over K and 2K stages on K workers, every shipped family, the
    chunk counts calibrated and every remat policy, within ``--budget-mb`` per worker if given.
 3. Measure every candidate that fits (the ``--top`` predicted fastest, default all), rows
@@ -23,48 +27,63 @@ fits the budget, predicted and measured, and where the two rankings differ.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 from common import parser, report
 from residual import Model, loss_fn, split, stage
 
 import fpipe
-from fpipe.schedules import Costs, Memory, Op, choose_schedule, one_f_one_b, zero_bubble
+from fpipe.schedules import (
+    Costs,
+    Memory,
+    Op,
+    choose_schedule,
+    interleaved_one_f_one_b,
+    interleaved_zero_bubble,
+    one_f_one_b,
+    zero_bubble,
+)
 from fpipe.timeline import stage_memory
 
 MB = 1e6
 
 
 def calibrate(params: list, x, target, k: int, chunk_counts: tuple[int, ...],
-              steps: int) -> dict[int, Costs]:
-    """{M: whole-model costs of one micro-batch at M}, fitted (medians) to recorded steps of
-    1F1B, 1F1B with remat ``always`` and ZB-H1 on ``k`` stages, so that the full backward, the
-    recompute and the split backward's halves are each measured. The steps are recorded in
-    rounds, one of each (program, M) in turn, so that a machine busier at one moment than
-    another weighs on every M alike."""
-    runs = [(m, schedule) for m in chunk_counts
-            for schedule in (one_f_one_b(m), one_f_one_b(m, "always"), zero_bubble(m))]
-    pipes = [fpipe.pipeline([stage] * k, split(params, k), schedule=schedule, loss_fn=loss_fn)
-             for _, schedule in runs]
-    recorders = {m: fpipe.Recorder() for m in chunk_counts}
+              steps: int) -> dict[tuple[int, int], Costs]:
+    """{(M, S): per-stage costs of one micro-batch at M micro-batches on S stages}, for S in
+    K and 2K, fitted (medians) to recorded steps of 1F1B, 1F1B with remat ``always`` and ZB-H1
+    (S = K) or their interleaved forms (S = 2K), so that the full backward, the recompute and
+    the split backward's halves are each measured on every stage of every stage count. The
+    steps are recorded in rounds, one of each (program, M, S) in turn, so that a machine
+    busier at one moment than another weighs on every row alike."""
+    families = {k: (one_f_one_b, partial(one_f_one_b, remat="always"), zero_bubble),
+                2 * k: (interleaved_one_f_one_b, partial(interleaved_one_f_one_b,
+                                                         remat="always"),
+                        interleaved_zero_bubble)}
+    runs = [(m, s, make(m)) for s, makes in families.items() for m in chunk_counts
+            for make in makes]
+    pipes = [fpipe.pipeline([stage] * s, split(params, s), schedule=schedule, loss_fn=loss_fn)
+             for _, s, schedule in runs]
+    recorders = {(m, s): fpipe.Recorder() for m, s, _ in runs}
     try:
         for pipe in pipes:
             pipe.value_and_grad(x, target)  # warm-up
         for _ in range(steps):
-            for (m, _), pipe in zip(runs, pipes):
-                pipe.value_and_grad(x, target, record=recorders[m])
+            for (m, s, _), pipe in zip(runs, pipes):
+                pipe.value_and_grad(x, target, record=recorders[m, s])
     finally:
         for pipe in pipes:
             pipe.close()
-    for m, recorder in recorders.items():
-        ops = {s.action.op for step in recorder.steps for row in step for s in row}
+    for (m, s), recorder in recorders.items():
+        ops = {span.action.op for step in recorder.steps for row in step for span in row}
         missing = {Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT,
                    Op.BACKWARD_WEIGHT} - ops
         if missing:
-            raise RuntimeError(f"the calibration at {m} micro-batches recorded no "
-                               f"{sorted(op.value for op in missing)}")
-    return {m: Costs.from_timeline(*recorder.steps, n_stages=k, statistic="median").as_model(k)
-            for m, recorder in recorders.items()}
+            raise RuntimeError(f"the calibration at {m} micro-batches on {s} stages recorded "
+                               f"no {sorted(op.value for op in missing)}")
+    return {key: Costs.from_timeline(*recorder.steps, n_stages=key[1], statistic="median")
+            for key, recorder in recorders.items()}
 
 
 def measure(programs: list, params: list, x, target, repeat: int) -> list[list[float]]:
@@ -144,13 +163,13 @@ def main() -> None:
     for rank, row in enumerate(rows, 1):
         row["predicted_rank"] = rank
     flips = inversions(rows)
-    ratio = [c.recompute / c.forward for c in costs.values()]
+    ratio = [sum(c.recompute) / sum(c.forward) for c in costs.values()]
     notes = [f"model: {model.layers} blocks of width {model.width}, batch {model.batch}; "
              f"{k} workers; calibration and search took {calibrated_s:.1f} s; "
              f"{len(choice.trials)} candidates simulated, {len(rows)} measured",
              f"budget: {'none' if budget is None else f'{budget / MB:g} MB per worker'}",
-             "fitted recompute / forward at each chunk count: "
-             + ", ".join(f"{m}: {r:.2f}" for m, r in zip(costs, ratio)),
+             "fitted recompute / forward at each (chunk count, stage count): "
+             + ", ".join(f"{m}x{s}: {r:.2f}" for (m, s), r in zip(costs, ratio)),
              f"chosen: {rows[0]['program']}, predicted {rows[0]['predicted_ms']:.1f} ms, "
              f"measured {rows[0]['median_ms']:.1f} ms (measured rank "
              f"{rows[0]['measured_rank']})"]

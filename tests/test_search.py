@@ -132,3 +132,28 @@ def test_a_schedule_built_from_costs_is_built_from_the_costs_it_is_tried_under()
     assert trial.schedule == zero_bubble_v(16, costs=per_mb)
     unit = simulate(zero_bubble_v(16).program(8), per_mb).makespan
     assert trial.makespan == simulate(trial.program, per_mb).makespan < unit
+
+
+def test_costs_by_chunks_and_stage_count_price_each_candidate_as_it_runs():
+    """``{(M, n_stages): costs}``: every trial is simulated under the costs of its own chunk
+    count and stage count, and only the pairs given are tried."""
+    by_pair = {(4, 2): Costs(forward=(1.0, 2.0), backward_input=(0.5, 3.0),
+                             backward_weight=(2.0, 2.0), latency=0.25),
+               (8, 2): Costs(forward=(0.5, 1.0), backward=(1.0, 2.5)),
+               (4, 4): Costs(forward=(1.0, 0.25, 0.5, 0.75), backward=(0.5, 1.5, 1.5, 1.5),
+                             backward_input=(0.1, 0.75, 0.75, 0.5), overhead=0.125)}
+    choice = choose_schedule((2, 4), by_pair, n_workers=2, remat=("never",))
+    tried = {(t.chunks, t.program.n_stages) for t in choice.trials if t.program is not None}
+    assert tried == set(by_pair)
+    for trial in choice.trials:
+        if trial.program is not None:
+            costs = by_pair[trial.chunks, trial.program.n_stages]
+            assert trial.makespan == simulate(trial.program, costs).makespan
+    assert choice.best.makespan == min(t.makespan for t in choice.trials)
+
+
+def test_costs_by_pairs_must_price_every_stage_count():
+    with pytest.raises(ValueError, match="prices no program of 4 stages"):
+        choose_schedule((2, 4), {(4, 2): Costs()})
+    with pytest.raises(TypeError, match="mixes chunk counts and"):
+        choose_schedule(2, {(4, 2): Costs(), 8: Costs()})

@@ -130,7 +130,7 @@ def _rank(trial: Trial) -> tuple:
 
 def choose_schedule(
     n_stages: int | Iterable[int],
-    costs: Costs | Mapping[int, Costs],
+    costs: Costs | Mapping[int, Costs] | Mapping[tuple[int, int], Costs],
     *,
     n_workers: int | None = None,
     memory: Memory | None = None,
@@ -149,7 +149,13 @@ def choose_schedule(
       latency per action unchanged. Small micro-batches are often dearer than their share of
       the batch, so better: a mapping ``{M: costs of one micro-batch at M}`` measured at each
       chunk count tried (e.g. ``Costs.from_timeline`` of a step recorded at each M); its keys
-      are then the chunk counts.
+      are then the chunk counts. Best of all, where the stage counts differ: a mapping
+      ``{(M, n_stages): costs}`` of per-stage costs measured on each stage count, each
+      candidate priced as it runs. A model cut in twice the stages is not priced by halving:
+      each action keeps a fixed part (the driver's, the ops' own), and the first stage of a
+      loss step computes no input gradient, so its backward is dearer or cheaper than its
+      share depending on how many stages share the rest (``Costs.as_model`` spreads it evenly
+      over every stage). The keys are then the (chunk count, stage count) pairs tried.
     - ``memory`` and ``budget``: the whole batch's :class:`Memory` (scaled by 1/M the same
       way) and each worker's bytes; without them every candidate fits.
     - ``n_workers``: keep the candidates on this many workers (default: any).
@@ -163,15 +169,8 @@ def choose_schedule(
     bytes, then the first tried; a ValueError says so when no candidate fits.
     """
     counts = (n_stages,) if isinstance(n_stages, int) else tuple(n_stages)
-    if isinstance(costs, Mapping):
-        per_chunks = {int(m): c for m, c in costs.items()}
-        chunk_counts: tuple[int, ...] = tuple(per_chunks)
-    elif isinstance(costs, Costs):
-        chunk_counts = tuple(chunks)
-        per_chunks = {m: costs.scaled(1.0 / m) for m in chunk_counts}
-    else:
-        raise TypeError(f"costs must be a Costs value or a mapping from chunk counts to Costs, "
-                        f"got {type(costs).__name__}")
+    priced = _pricing(costs, counts, chunks)
+    chunk_counts = tuple(dict.fromkeys(m for m, _ in priced))
     if (memory is None) != (budget is None) and budget is not None:
         raise ValueError("a budget needs a memory model: pass memory=Memory(...) too")
     families = FAMILIES if families is None else families
@@ -179,22 +178,24 @@ def choose_schedule(
     trials = []
     for count in counts:
         for m in chunk_counts:
+            if (m, count) not in priced:
+                continue
             for workers in range(1, count + 1):
                 if n_workers is not None and workers != n_workers:
                     continue
                 for name, family in families.items():
                     for policy in policies:
                         schedule = with_costs(family(m, policy, count, workers),
-                                              per_chunks[m])
+                                              priced[m, count])
                         if schedule is not None:
-                            trials.append(_trial(name, schedule, count, per_chunks[m], memory,
-                                                 budget, m, policy))
+                            trials.append(_trial(name, schedule, count, priced[m, count],
+                                                 memory, budget, m, policy))
     for schedule in candidates:
         program = program_of(schedule, counts[0])
         m = program.n_microbatches
         trials.append(_trial(getattr(schedule, "__name__", type(schedule).__name__), schedule,
-                             counts[0], per_chunks.get(m) or _scaled(costs, m), memory, budget,
-                             m, "as given"))
+                             counts[0], priced.get((m, counts[0])) or _scaled(costs, m),
+                             memory, budget, m, "as given"))
     fitting = [t for t in trials if t.fits]
     if not fitting:
         measured = [t for t in trials if t.peak_bytes is not None]
@@ -215,11 +216,35 @@ def with_costs(schedule: object, costs: Costs) -> object:
     return schedule
 
 
-def _scaled(costs: Costs | Mapping[int, Costs], chunks: int) -> Costs:
+def _pricing(costs: object, counts: tuple[int, ...],
+             chunks: Iterable[int]) -> dict[tuple[int, int], Costs]:
+    """``{(M, n_stages): costs of one micro-batch}`` for each pair tried, from any of the
+    three forms :func:`choose_schedule` takes; a mapping keyed by pairs must price every stage
+    count asked for (a ValueError names the one it lacks)."""
+    if isinstance(costs, Costs):
+        return {(m, count): costs.scaled(1.0 / m) for m in chunks for count in counts}
+    if not isinstance(costs, Mapping) or not all(isinstance(c, Costs) for c in costs.values()):
+        raise TypeError(f"costs must be a Costs value or a mapping from chunk counts (or "
+                        f"(chunks, n_stages) pairs) to Costs, got {type(costs).__name__}")
+    keys = list(costs)
+    if all(isinstance(key, tuple) for key in keys):
+        priced = {(int(m), int(s)): c for (m, s), c in costs.items()}
+        lacking = [count for count in counts if all(s != count for _, s in priced)]
+        if lacking:
+            raise ValueError(f"the costs mapping prices no program of {lacking[0]} stages: its "
+                             f"keys are (chunks, n_stages) pairs {sorted(priced)}")
+        return priced
+    if any(isinstance(key, tuple) for key in keys):
+        raise TypeError("the costs mapping mixes chunk counts and (chunks, n_stages) pairs as "
+                        "keys: use one form")
+    return {(int(m), count): c for m, c in costs.items() for count in counts}
+
+
+def _scaled(costs: object, chunks: int) -> Costs:
     if isinstance(costs, Mapping):
         raise ValueError(f"a candidate runs {chunks} micro-batches, for which the costs mapping "
                          f"has no entry")
-    return costs.scaled(1.0 / chunks)
+    return costs.scaled(1.0 / chunks)  # type: ignore[attr-defined]
 
 
 def _trial(name: str, schedule: object, n_stages: int, costs: Costs, memory: Memory | None,
