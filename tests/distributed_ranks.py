@@ -216,21 +216,22 @@ def full_params(name: str, n_stages: int) -> list:
 @contextlib.contextmanager
 def recording_p2p():
     """Log every point-to-point message this rank posts as ``(op, peer, group name)``, by
-    wrapping ``torch.distributed``'s ``isend`` and ``irecv``, which fpipe calls."""
+    wrapping the process groups' ``send`` and ``recv``, which fpipe posts its messages on
+    (``dist.isend`` and ``dist.irecv`` end there too)."""
     log: list[tuple[str, int, str]] = []
-    isend, irecv = dist.isend, dist.irecv
+    send, recv = dist.ProcessGroup.send, dist.ProcessGroup.recv
 
     def logged(op: str, post):
-        def call(tensor, peer, group=None, **kwargs):
-            log.append((op, peer, (group or dist.group.WORLD).group_name))
-            return post(tensor, peer, group=group, **kwargs)
+        def call(group, tensors, peer, tag):
+            log.append((op, dist.get_global_rank(group, peer), group.group_name))
+            return post(group, tensors, peer, tag)
         return call
 
-    dist.isend, dist.irecv = logged("send", isend), logged("recv", irecv)
+    dist.ProcessGroup.send, dist.ProcessGroup.recv = logged("send", send), logged("recv", recv)
     try:
         yield log
     finally:
-        dist.isend, dist.irecv = isend, irecv
+        dist.ProcessGroup.send, dist.ProcessGroup.recv = send, recv
 
 
 # -- scenarios -----------------------------------------------------------------------------------
