@@ -17,11 +17,14 @@ large one the kernels do. Rows are interleaved: every round runs fpipe then torc
 (A, B, A, B ...), each ``--steps`` timed steps (from a barrier to a barrier) after two warm-up
 steps; a row's step_ms is the median over rounds of each round's median step, with the rounds'
 range, and *fpipe/torch* is the median over rounds of that round's ratio, with its range.
-*check* compares the two libraries' loss of the first step (relative 1e-5).
+*host_ms* is each rank's host time per step (rank 0/rank 1): the CPU time of its main thread,
+median over rounds (see ``_timed``). *check* compares the two libraries' loss of the first step
+(relative 1e-5).
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -31,7 +34,8 @@ from torch import nn
 
 VOCAB, SEQ, WIDTH, CHUNKS, WORLD = 256, 32, 64, 4, 2
 
-COLUMNS = ["batch", "row", "step_ms", "rounds_ms", "fpipe/torch", "ratio_rounds", "check"]
+COLUMNS = ["batch", "row", "step_ms", "rounds_ms", "fpipe/torch", "ratio_rounds", "host_ms",
+           "check"]
 
 
 def parts(seed: int = 0) -> list[nn.Module]:
@@ -55,12 +59,16 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _timed(rank: int, group, step, steps: int) -> dict:
-    """The first step's loss (from the rank that has it) and the median of ``steps`` more."""
+    """The first step's loss (from the rank that has it), the median of ``steps`` more, and
+    the host time per step: the CPU time of this rank's main thread (which runs every action
+    and posts every message), the most of a small batch's step and, unlike wall time, hardly
+    moved by what else runs on the machine."""
     torch.set_num_threads(1)
     first = step()
+    cpu = time.thread_time()
     seconds = timed_steps(step, group, steps, warmup=1)
     return {"seconds": seconds, "loss": None if first is None else float(first),
-            "threads": torch.get_num_threads()}
+            "host": (time.thread_time() - cpu) / (steps + 1), "threads": torch.get_num_threads()}
 
 
 def fpipe_job(rank: int, world: int, group, batch: int, steps: int) -> dict:
@@ -134,8 +142,11 @@ def _rows(batch: int, fpipe_runs: list[dict], torch_runs: list[dict]) -> list[di
     for name, runs in (("fpipe.distributed one_f_one_b", fpipe_runs),
                        ("torch Schedule1F1B", torch_runs)):
         ms, ms_range = spread([r["seconds"] for r in runs], 1e3)
+        host = "/".join(f"{spread([r['host'][k] for r in runs], 1e3)[0]:.3g}"
+                        for k in range(WORLD))
         rows.append({"batch": batch, "row": name, "step_ms": ms, "rounds_ms": ms_range,
-                     "fpipe/torch": ratio, "ratio_rounds": ratio_range, "check": check})
+                     "fpipe/torch": ratio, "ratio_rounds": ratio_range, "host_ms": host,
+                     "check": check})
     return rows
 
 
@@ -158,8 +169,12 @@ def main() -> None:
     results = spawn_ranks(partial(run_jobs, timeout=120, strict=args.quick), WORLD,
                           one_round * rounds, timeout=120 if args.quick else 600 * rounds,
                           strict=args.quick)
-    merged = [merge_ranks([r if r is None or isinstance(r, dict) else r[j] for r in results])
-              for j in range(len(one_round) * rounds)]
+    merged = []
+    for j in range(len(one_round) * rounds):
+        each = [r if r is None or isinstance(r, dict) else r[j] for r in results]
+        merged.append(merge_ranks(each))
+        if "error" not in merged[-1]:
+            merged[-1]["host"] = [r["host"] for r in each]
     rows = []
     for i, batch in enumerate(args.batch):
         per_round = [merged[k * len(one_round) + 2 * i: k * len(one_round) + 2 * i + 2]
