@@ -159,17 +159,26 @@ def save(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     before anything is written; a value that is not a tensor must be data, what
     ``torch.load(weights_only=True)`` reads back (else a ``TypeError`` naming it).
     """
-    _located(directory, storage_writer, "storage_writer")
+    def prepare() -> tuple[dict[str, Any], dict[str, Any]]:
+        """Everything this rank can refuse alone (a location, names, the optimiser, ``extra``),
+        before any collective: a refusal raised on one rank only would leave the others
+        waiting in the next collective until the timeout."""
+        _located(directory, storage_writer, "storage_writer")
+        model = _model_names(params, state, names)
+        state_dict: dict[str, Any] = {_MODEL: {name: leaf.detach() for name, (_, leaf)
+                                               in model.items()}}
+        if optimizer is not None:
+            state_dict[_OPTIM] = flat_optimizer(optimizer, optimizer_names(optimizer, model))
+        saved = training_state.saved_extra(extra)
+        every = {**state_dict, training_state.EXTRA: saved} if saved else state_dict
+        for key, value in entries.flat(every).items():
+            if not isinstance(value, torch.Tensor):
+                entries.plain_data(key, value)
+        return state_dict, saved
+
     dcp = _dcp(process_group)
-    model = _model_names(params, state, names)
-    state_dict: dict[str, Any] = {_MODEL: {name: leaf.detach() for name, (_, leaf)
-                                           in model.items()}}
-    if optimizer is not None:
-        state_dict[_OPTIM] = flat_optimizer(optimizer, optimizer_names(optimizer, model))
-    training_state.add(state_dict, extra, rng, process_group)
-    agreed(lambda: [entries.plain_data(key, value) for key, value in
-                    entries.flat(state_dict).items() if not isinstance(value, torch.Tensor)],
-           process_group, "save")
+    state_dict, saved = agreed(prepare, process_group, "save")
+    training_state.add(state_dict, saved, rng, process_group)
     state_dict[SUMS] = checksums(state_dict)
     with _quiet():
         dcp.save(state_dict, checkpoint_id=directory, storage_writer=storage_writer,

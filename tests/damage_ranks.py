@@ -84,3 +84,26 @@ def load_grouped(rank: int, world: int) -> dict:
     return {"error": error, "untouched": all(bool((p == 0).all()) for p in leaves),
             "optimizer_state": len(optimizer.state), "step": extra["step"],
             "last_epoch": extra["scheduler"].last_epoch}
+
+
+def save_misnamed(rank: int, world: int) -> dict:
+    """Rank 1's names= lacks its bias (``FPIPE_SAVE_REFUSAL=names``) or its extra holds a value
+    that is not data (``extra``); rank 0's call is sound. Each rank reports what it raised and
+    how long it took, and whether anything was written."""
+    import time
+
+    params = _layer(rank)
+    names = _layer_names(rank)
+    extra: dict = {"step": 3}
+    if rank == 1 and os.environ["FPIPE_SAVE_REFUSAL"] == "names":
+        names = {rank: {"w": "layer1.w"}}
+    if rank == 1 and os.environ["FPIPE_SAVE_REFUSAL"] == "extra":
+        extra = {"step": 3, "hook": _layer}  # a function: not data
+    start = time.monotonic()
+    try:
+        saving.save(os.environ["FPIPE_SAVING_DIR"], params, names=names, extra=extra)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        error = (type(exc).__name__, str(exc))
+    return {"error": error, "seconds": time.monotonic() - start,
+            "written": sorted(os.listdir(os.environ["FPIPE_SAVING_DIR"]))}

@@ -178,3 +178,24 @@ def test_a_group_mismatch_on_one_rank_is_one_error_on_every_rank(tmp_path, monke
         assert result["untouched"] and result["optimizer_state"] == 0, result
         assert (result["step"], result["last_epoch"]) == (0, 0), result
     assert results[0]["error"] == results[1]["error"]
+
+
+@pytest.mark.parametrize("refusal, said", [
+    ("names", "KeyError: names[1] has no entry for params[1]['b']"),
+    ("extra", "TypeError: extra.hook is a function")])
+def test_a_save_refused_on_one_rank_is_one_error_on_every_rank(tmp_path, monkeypatch, refusal,
+                                                               said):
+    """A bad ``names=`` (or a value of ``extra`` that is not data) on rank 1 only: both ranks
+    raise the same CheckpointError naming rank 1, and nothing is written. Before, rank 1
+    raised its KeyError alone while rank 0 went on to the check of ``extra`` across ranks,
+    and failed there on the closed connection."""
+    monkeypatch.setenv("FPIPE_SAVING_DIR", str(tmp_path))
+    monkeypatch.setenv("FPIPE_SAVE_REFUSAL", refusal)
+    results = ranks("damage_ranks:save_misnamed", 2)
+    for result in results:
+        kind, message = result["error"]
+        assert kind == "CheckpointError", result
+        assert message.startswith(f"rank 1 could not save the checkpoint, so no rank did: "
+                                  f"{said}"), message
+        assert result["written"] == [], result
+    assert results[0]["error"] == results[1]["error"]

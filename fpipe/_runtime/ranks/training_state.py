@@ -39,11 +39,10 @@ __all__ = ["EXTRA", "RNG", "add", "request", "put", "saved_extra", "check_replic
 EXTRA, RNG = "extra", "rng"
 
 
-def add(state_dict: dict[str, Any], extra: Mapping[str, Any] | None, rng: bool,
-        group: Any) -> None:
-    """``extra`` (checked equal on every rank that saves a name: collective) and, with
-    ``rng``, this rank's generators, added to the state dict ``save`` writes."""
-    saved = saved_extra(extra)
+def add(state_dict: dict[str, Any], saved: dict[str, Any], rng: bool, group: Any) -> None:
+    """``saved`` (what :func:`saved_extra` made of ``extra``, checked equal on every rank
+    that saves a name: collective) and, with ``rng``, this rank's generators, added to the
+    state dict ``save`` writes."""
     check_replicated(saved, group)
     if saved:
         state_dict[EXTRA] = saved
