@@ -350,12 +350,14 @@ def load(directory: str | os.PathLike | None, params: Sequence[Any] | Mapping[in
     got = _read_checked({**request, **more}, metadata, directory, reader, process_group)
     optim = None if optimizer is None else agreed(
         lambda: optimizer_state_dict(optimizer, order, got[_OPTIM], hyper), process_group)
-    with torch.no_grad():  # all read and checked on every rank: now written
+    # All read and checked on every rank: now written, the user's Statefuls first (their
+    # load_state_dict may still refuse, on any rank, which then loads nothing anywhere).
+    training_state.put(extra, got, lambda apply: agreed(apply, process_group))
+    with torch.no_grad():
         for name, (_, leaf) in model.items():
             leaf.copy_(got[_MODEL][name])
     if optimizer is not None:
         optimizer.load_state_dict(optim)
-    training_state.put(extra, got)
     return params if state is None else (params, state)
 
 
@@ -399,10 +401,10 @@ def load_module(directory: str | os.PathLike | None, module: torch.nn.Module,
             saved_groups.check_groups(optimizer, saved_groups.module_order(module, optimizer),
                                       saved_groups.module_hyper(state_dict[_OPTIM],
                                                                 bool(nested)))
+        training_state.put(extra, state_dict, lambda apply: apply())  # may still refuse
     except BaseException:
         if fresh_optimizer:
             optimizer.state.clear()  # type: ignore[union-attr]
         raise
     set_state_dict(module, optimizer or (), model_state_dict=state_dict[_MODEL],
                    optim_state_dict=state_dict.get(_OPTIM, {}), options=options)
-    training_state.put(extra, state_dict)

@@ -141,3 +141,54 @@ def test_a_missing_entry_is_named_and_nothing_is_written(tmp_path):
     with pytest.raises(ValueError, match="extra's key 'a.b'"):
         saving.save(tmp_path / "dots", s.params, extra={"a.b": 1})
     assert not (tmp_path / "dots").exists()
+
+
+class Refusing(Cursor):
+    """A ``Stateful`` whose ``load_state_dict`` refuses what it is given."""
+
+    def load_state_dict(self, state: dict) -> None:
+        raise ValueError(f"cannot resume from position {state['position']}")
+
+
+@pytest.mark.parametrize("face", ["load", "load_module"])
+def test_a_stateful_that_refuses_its_state_leaves_everything_as_it_was(tmp_path, face):
+    """The user's ``load_state_dict`` is the one check fpipe cannot run ahead: it runs before
+    the model's tensors are written, and the entries loaded before it are given back. Before,
+    the model, the optimiser, the scheduler and the step were all loaded when it raised."""
+    s, optimizer, extra = run()
+    steps(s, optimizer, extra, 2)
+    cursor = Cursor()
+    cursor.position = 7
+    saved = {"scheduler": extra["scheduler"], "step": 2, "cursor": cursor, "z": Cursor()}
+    if face == "load":
+        saving.save(tmp_path, s.params, optimizer=optimizer, extra=saved)
+    else:
+        module = nn.Linear(4, 4, dtype=torch.float64)
+        module_optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        module_scheduler = torch.optim.lr_scheduler.StepLR(module_optimizer, 1, 0.5)
+        module_optimizer.step()
+        module_scheduler.step()
+        saving.save(tmp_path, [dict(module.named_parameters())], optimizer=module_optimizer,
+                    extra={**saved, "scheduler": module_scheduler})
+
+    other, other_optimizer, other_extra = run(seed=3)
+    other_cursor = Cursor()
+    fresh = {"scheduler": other_extra["scheduler"], "step": 0, "cursor": other_cursor,
+             "z": Refusing()}
+    scheduler = fresh["scheduler"].state_dict()
+    with pytest.raises(ValueError, match="cannot resume from position 0"):
+        if face == "load":
+            before = {k: v.clone() for k, v in params(other).items()}
+            saving.load(tmp_path, other.params, optimizer=other_optimizer, extra=fresh)
+        else:
+            target = nn.Linear(4, 4, dtype=torch.float64)
+            target_optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
+            fresh["scheduler"] = torch.optim.lr_scheduler.StepLR(target_optimizer, 1, 0.5)
+            scheduler = fresh["scheduler"].state_dict()
+            before = {k: v.clone() for k, v in target.state_dict().items()}
+            saving.load_module(tmp_path, target, target_optimizer, extra=fresh)
+    now = params(other) if face == "load" else target.state_dict()
+    assert all(torch.equal(now[k], v) for k, v in before.items())
+    assert fresh["scheduler"].state_dict() == scheduler
+    assert fresh["step"] == 0 and other_cursor.position == 0
+    assert not (other_optimizer if face == "load" else target_optimizer).state

@@ -20,10 +20,11 @@ Nothing here writes into the caller's objects until :func:`apply` and :func:`res
 
 from __future__ import annotations
 
+import copy
 import pickle
 import random
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -63,11 +64,21 @@ def request(extra: Mapping[str, Any] | None, rng: bool, held: dict[str, Any],
     return more
 
 
-def put(extra: dict[str, Any] | None, read: dict[str, Any]) -> None:
+def put(extra: dict[str, Any] | None, read: dict[str, Any],
+        agree: Callable[[Callable[[], None]], None]) -> None:
     """The read ``extra`` and generators put in place, once everything was read and checked:
-    the first writes into the caller's objects."""
+    the first writes into the caller's objects, before the model's tensors. A ``Stateful``'s
+    own ``load_state_dict`` can still refuse its state; ``agree`` runs the loads so that a
+    refusal on any rank is raised on every rank, and each rank then gives back every
+    ``extra`` entry it had already loaded, so a refused load leaves nothing loaded."""
     if EXTRA in read:
-        apply(extra, read[EXTRA])
+        kept = {name: (copy.deepcopy(value.state_dict()) if _is_stateful(value) else value)
+                for name, value in (extra or {}).items()}
+        try:
+            agree(lambda: apply(extra, read[EXTRA]))
+        except BaseException:
+            apply(extra, kept)
+            raise
     if RNG in read:
         (generators,) = read[RNG].values()
         restore(generators)
