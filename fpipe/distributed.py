@@ -44,19 +44,16 @@ from fpipe._runtime.ranks.fsdp import check_call, check_shard, released
 from fpipe._runtime.ranks.inputs import held_by
 from fpipe._runtime.ranks.joined import join
 from fpipe._runtime.ranks.launch import LAUNCH_VARIABLES as LAUNCH_VARIABLES
-from fpipe._runtime.ranks.launch import init, my_stages
+from fpipe._runtime.ranks.launch import check_joined, init, my_stages
 from fpipe._runtime.ranks.results import Replica
 from fpipe._runtime.ranks.two_calls import two_calls
-from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.skips import Skips
-from fpipe._runtime.sources import follow, hooked_by_stage, sources_of
+from fpipe._runtime.sources import hooked_by_stage, sources_of
 from fpipe._runtime.step import Step
 from fpipe._runtime.stream import Transport
-from fpipe.errors import PlacementError
 from fpipe.optim import clip_grad_norm, global_norm
 from fpipe.schedules.actions import Program, program_of
-from fpipe.stages import Stages
-from fpipe.stages.sequential import check_state_given, check_ties_given
+from fpipe.stages.sequential import check_state_given, check_ties_given, unpacked
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
@@ -98,16 +95,12 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             mesh_dim_names=("dp", "pp"))``): the pipeline runs on ``mesh["pp"]``, its
             replicas are ``mesh["dp"]``.
         data_parallel: the process group of this rank's replicas: the ranks that run the same
-            worker of the same pipeline on other shards of the global batch. Each replica
-            passes its own shard (shards may differ in size); every call then returns the mean
-            loss over the global batch, and ``value_and_grad`` (and ``vjp_fn``, whose
-            cotangent each replica gives for its shard's mean) the global batch's gradients.
-        grad_reduce: with ``data_parallel``, what happens to the gradients: ``"mean"`` (the
-            default) weights each replica's by its share of the global batch and all-reduces
-            them (sum), in buckets launched as soon as a stage's gradients are final on this
-            rank, overlapping the rest of the step; ``None`` returns each replica's own
-            gradients of its shard's mean, untouched, for a reduction of the caller's own
-            (``fully_shard``, gradient compression).
+            worker of the same pipeline on other shards of the global batch; calls then return
+            the global batch's loss and gradients (see :class:`DistributedPipeline`).
+        grad_reduce: with ``data_parallel``: ``"mean"`` (the default) makes the gradients the
+            global batch's, all-reduced in buckets that overlap the rest of the step; ``None``
+            returns each replica's own of its shard's mean, untouched, for a reduction of the
+            caller's own (``fully_shard``, gradient compression).
         bucket_mb: the largest bucket of gradients (or state) reduced at once, in MiB (per
             dtype).
         ties: tied weights, as for :func:`fpipe.pipeline`: ties of ``(stage, name)`` pairs.
@@ -115,42 +108,28 @@ def pipeline(stages: Sequence[Callable], params: Mapping[int, Any], *, schedule:
             gradient is the sum of all members', by ``all_reduce`` over a group of the ranks
             holding them (made at build; none for a tie held by one rank).
         state_reduce: with ``data_parallel`` and ``state``, what each replica's new state
-            becomes after every call that returns it (training, ``vjp`` and a stateful
-            inference call), so that replicas (and a checkpoint of one) agree: ``"mean"`` (the
-            default) makes each floating-point tensor leaf the mean over the replicas weighted
-            by their shares of the global batch, as the gradients are (exact for BatchNorm's
-            running mean when the replicas started alike); ``"broadcast"`` gives every replica
-            the tensor leaves of the first rank of its data-parallel group (DDP's
-            ``broadcast_buffers``); ``None`` leaves each replica its own. Other leaves stay
-            each replica's own: integer tensors (``num_batches_tracked``) under ``"mean"``,
-            Python values under both. Replicas' state must have the same leaves, shapes and
-            dtypes. Without ``data_parallel`` it does nothing.
+            becomes after every call that returns it: ``"mean"`` (the default),
+            ``"broadcast"`` or ``None`` (see :class:`DistributedPipeline`). Without
+            ``data_parallel`` it does nothing.
         shard: ``"fsdp"`` (with ``mesh=``) shards this rank's stages with FSDP2 over
-            ``mesh["dp"]``: :attr:`DistributedPipeline.params` are then the sharded parameters
-            (``DTensor`` leaves) for the optimiser, gathered for each step, and the gradients
-            come back reduce-scattered as ``DTensor`` shards placed alike. ``params`` (full,
-            alike on every replica) are copied into the shards and can be dropped.
+            ``mesh["dp"]`` (see :class:`DistributedPipeline`).
     """
-    return DistributedPipeline(stages, params, schedule=schedule, loss_fn=loss_fn,
-                               device=device, timeout=timeout, state=state, nonfinite=nonfinite,
-                               grad_dtype=grad_dtype, autodiff=autodiff, group=group,
-                               mesh=mesh, data_parallel=data_parallel, grad_reduce=grad_reduce,
-                               bucket_mb=bucket_mb, ties=ties, state_reduce=state_reduce,
-                               shard=shard)
+    return DistributedPipeline(
+        stages, params, schedule=schedule, loss_fn=loss_fn, device=device, timeout=timeout,
+        state=state, nonfinite=nonfinite, grad_dtype=grad_dtype, autodiff=autodiff, group=group,
+        mesh=mesh, data_parallel=data_parallel, grad_reduce=grad_reduce, bucket_mb=bucket_mb,
+        ties=ties, state_reduce=state_reduce, shard=shard)
 
 
 def _checked(stages: Any, ties: Any, state: Any, loss_fn: Any) -> tuple[list, Any]:
     """The stages (of a ``Stages`` value, which brings its ties) and ties, checked as every
     rank can alone, before anything collective: a process group, the loss, the stages, the
     ties and state the cut requires."""
-    if not dist.is_initialized():
-        raise RuntimeError("fpipe.distributed needs a process group: call "
-                           "fpipe.distributed.init() (or torch.distributed.init_process_group)")
+    check_joined()
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if isinstance(stages, Stages):  # its ties come with it: none forgotten
-        ties = stages.ties if ties is None else ties
-    stages = list(stages.stages if isinstance(stages, Stages) else stages)
+    stages, ties = unpacked(stages, ties)
+    stages = list(stages)
     check_stages(stages)
     check_ties_given(stages, ties)
     check_state_given(stages, state is not None)
@@ -167,9 +146,27 @@ class DistributedPipeline:
     (and the step's random seed) from the rank of stage 0.
 
     Calls are collective: every rank makes the same ones in the same order, from one thread (a
-    call while another is running raises ``RuntimeError``). With data parallelism, the loss and
-    gradients are the global batch's and the replicas' new state agrees (see :func:`pipeline`'s
-    ``data_parallel`` and ``state_reduce``).
+    call while another is running raises ``RuntimeError``).
+
+    With data parallelism (:func:`pipeline`'s ``data_parallel``, or ``mesh``), each replica
+    passes its own shard of the global batch (shards may differ in size); every call returns
+    the global batch's mean loss, and ``value_and_grad`` (and ``vjp_fn``, given the cotangent
+    of its shard's mean) its gradients: with ``grad_reduce="mean"``, each replica's weighted by
+    its share and all-reduced (summed) in buckets, each launched as soon as its stages'
+    gradients are final on this rank. Every call that returns state (training, ``vjp``, a
+    stateful inference call) makes the replicas' new state agree, so a checkpoint of one is
+    every replica's: ``state_reduce="mean"`` makes each floating-point tensor leaf the mean
+    over the replicas weighted by their shares, as the gradients are (exact for BatchNorm's
+    running mean when the replicas started alike); ``"broadcast"`` gives every replica the
+    tensor leaves of the first rank of its data-parallel group (DDP's ``broadcast_buffers``);
+    ``None`` leaves each replica its own. Other leaves stay each replica's own: integer
+    tensors (``num_batches_tracked``) under ``"mean"``, Python values under both. Replicas'
+    state must have the same leaves, shapes and dtypes.
+
+    With ``shard="fsdp"``, :attr:`DistributedPipeline.params` are the sharded parameters
+    (``DTensor`` leaves) for the optimiser, gathered for each step, and the gradients come back
+    reduce-scattered as ``DTensor`` shards placed alike; the ``params`` given (full, alike on
+    every replica) are copied into the shards and can be dropped.
 
     Worker ``w`` of the program runs on the global rank ``ranks[w]``; this rank is
     ``ranks[worker]``. ``close()`` (or the end of a ``with`` block) waits for every rank of the
@@ -223,10 +220,7 @@ class DistributedPipeline:
                                                       device, len(self.stages))
         self.stages_held, self.device = self.held.stages, self.held.device
         self.param_specs = self.held.specs
-        self.state = None
-        if state is not None:
-            self.held.check_state(state, PlacementError)
-            self.state = {s: state[s] for s in self.stages_held}
+        self.state = self.held.built_state(state)
 
     def _join(self, data_parallel: Any, options: dict, mesh: Any, ties: Any) -> None:
         """Collective: what every rank makes alike (:func:`fpipe._runtime.ranks.joined.join`)."""
@@ -317,14 +311,7 @@ class DistributedPipeline:
         fpipe's process groups. Later calls raise; ``dist.destroy_process_group()`` is safe
         right after. A ``with`` block closes the pipeline at its end; closing twice does
         nothing more. After a failure, the groups are released without waiting."""
-        self._calls.close(self._release)
-
-    def _release(self) -> None:
-        if self.data_parallel is not None:
-            self.driver.faults.wait(
-                dist.barrier(group=self.data_parallel.group, async_op=True),
-                "its data-parallel replicas to close the pipeline", self.data_parallel.peer)
-        self.driver.close()
+        self._calls.close(lambda: self.driver.close(self.data_parallel))
 
     def _forget(self) -> None:
         self.group = self.data_parallel = self._results = None
@@ -394,22 +381,14 @@ class DistributedPipeline:
                             state=state)
         check_call(self._sharded, params, call == 2)
         self._accumulated.check_call(call == 2)
-        leaves = None if self._sharded else self.held.param_leaves(params, self.params)
-        if leaves is not None and any(self._sources):
-            leaves = follow(leaves, self._sources)
+        leaves = None if self._sharded else self.held.param_leaves(params, self.params,
+                                                                   self._sources)
         states = self.held.states(state, self.state)
         training = call > 0
         if training:
             check_training()
         self.driver.calls += 1
-        seed = StepSeed([self.device])
-        try:
-            n, seed_value, error = self.driver.faults.guarded(
-                lambda: self.driver.header(x, target, seed.seed, call))
-        finally:
-            seed.restore()
-        if error is not None:  # every rank knows it, so every rank raises it by itself
-            raise error
+        n, seed_value = self.driver.agreed(x, target, call)
         replica = self._results.replica(n, self.chunks, training, self.stateful, carry,
                                         not accumulate)
         if self._sharded is not None:  # FSDP2's all-gather, once the step is agreed

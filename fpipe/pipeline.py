@@ -22,9 +22,7 @@ from fpipe._runtime.engine import (
     check_stages,
     check_training,
     check_untransformed,
-    input_grads,
     nonfinite_error,
-    output_cotangents,
     returned_loss,
 )
 from fpipe._runtime.log import StepTimes, logger
@@ -34,10 +32,11 @@ from fpipe._runtime.sources import follow, hooked, sources_of
 from fpipe._runtime.step import plus
 from fpipe._runtime.ties import TieSums
 from fpipe._runtime.trees import tree_map
+from fpipe._runtime.two_calls import two_calls
 from fpipe._runtime.values import param_leaves
 from fpipe.errors import BatchError
 from fpipe.schedules.actions import Program, program_of
-from fpipe.stages.sequential import Stages, check_state_given, check_ties_given
+from fpipe.stages.sequential import Stages, check_state_given, check_ties_given, unpacked
 from fpipe.stages.skip import declared
 from fpipe.timeline import Recorder, StepFigures, StepLog
 
@@ -298,28 +297,7 @@ class Pipeline:
         at leaves that carry no gradient. A stateful pipeline returns
         ``(y, vjp_fn, new_state)``.
         """
-        if self._accumulated is not None:
-            raise RuntimeError("gradients of value_and_grad(..., accumulate=True) wait for a "
-                               "last value_and_grad call; vjp cannot add to them")
-        leaves, states, _, inputs, sizes = self._step_inputs(x, params, state, training=True,
-                                                             entry="vjp")
-        step = self._driver.begin(self.program, leaves, states, inputs, sizes)
-        outputs = step.outputs
-        y = microbatch.join([out.tree() for out in outputs])
-        used = []
-
-        def vjp_fn(cotangent: Any) -> tuple[list, Any]:
-            check_untransformed("Pipeline vjp_fn", cotangent=cotangent)
-            if used:
-                raise RuntimeError("this vjp function was called already: a pipeline step "
-                                   "runs its backward once")
-            used.append(True)
-            cotangents = output_cotangents(outputs, self._to(cotangent, self.devices[-1]),
-                                           self.chunks)
-            grads = self._grad_trees(self._driver.finish(self.program, step, cotangents).grads)
-            return grads, input_grads(inputs, step.ends.grads)
-
-        return (y, vjp_fn, step.state) if self.stateful else (y, vjp_fn)
+        return two_calls(self, x, params, state)
 
     def _step_inputs(self, x: Any, params: Sequence[Any] | None,
                      state: Sequence[Any] | None, training: bool = False,
@@ -400,10 +378,9 @@ class Pipeline:
 
 def _unpacked(cut: Stages, params: Any, state: Any, ties: Any) -> tuple:
     """A ``Stages`` value's stages, params, state and ties (``state=`` and ``ties=`` given
-    beside it win)."""
+    beside it win; its stages and ties as for ``fpipe.distributed``: ``unpacked``)."""
     if params is not None:
         raise TypeError("fpipe.pipeline(s, ...) takes the params from the Stages value s: do "
                         "not pass params= beside it")
-    return (cut.stages, cut.params, cut.state if state is None else state,
-            cut.ties if ties is None else ties)
-
+    stages, ties = unpacked(cut, ties)
+    return stages, cut.params, cut.state if state is None else state, ties

@@ -9,6 +9,7 @@ from schedule_strategies import programs
 from fpipe.schedules import (
     Costs,
     Span,
+    dual_pipe_v,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
@@ -108,9 +109,9 @@ quarters = st.integers(1, 12).map(lambda n: n / 4)
 
 @st.composite
 def programs_and_costs(draw):
-    # No overlapped pairs: a timeline does not say which actions ran as a pair, and a pair's
-    # forward waits for its backward's inputs too, which the fit would read as latency.
-    program = draw(programs(overlap=False))
+    # Overlapped pairs too, priced either way: the fit is told the pairs (a timeline does not
+    # show them) and reads from their spans which way they ran.
+    program = draw(programs())
     n = program.n_stages
 
     def per_stage():
@@ -119,7 +120,8 @@ def programs_and_costs(draw):
     costs = Costs(forward=per_stage(), backward=per_stage(), backward_input=per_stage(),
                   backward_weight=per_stage(), recompute=per_stage(),
                   overhead=draw(st.sampled_from([0.0, 0.25, 0.5])),
-                  latency=draw(st.sampled_from([0.0, 0.75, 2.0])))
+                  latency=draw(st.sampled_from([0.0, 0.75, 2.0])),
+                  overlap=draw(st.sampled_from(["sum", "max"])))
     return program, costs
 
 
@@ -127,7 +129,9 @@ def programs_and_costs(draw):
 def test_costs_fitted_to_a_simulated_step_reproduce_it(case):
     program, costs = case
     sim = simulate(program, costs)
-    fitted = Costs.from_timeline(sim.timeline, n_stages=program.n_stages)
+    fitted = Costs.from_timeline(sim.timeline, n_stages=program.n_stages,
+                                 overlaps=program.overlaps)
+    assert fitted.overlap == (costs.overlap if program.overlaps else "sum")
     again = simulate(program, fitted)
     assert again.makespan == pytest.approx(sim.makespan)
     for row, fitted_row in zip(sim.timeline, again.timeline, strict=True):
@@ -135,9 +139,25 @@ def test_costs_fitted_to_a_simulated_step_reproduce_it(case):
             assert fit.action == span.action
             assert (fit.start, fit.end) == pytest.approx((span.start, span.end))
     # several steps: the medians of the same durations
-    median = Costs.from_timeline(sim.timeline, n_stages=program.n_stages, statistic="median")
+    median = Costs.from_timeline(sim.timeline, n_stages=program.n_stages, statistic="median",
+                                 overlaps=program.overlaps)
     assert Costs.from_timeline(sim.timeline, sim.timeline, n_stages=program.n_stages,
-                               statistic="median") == median
+                               statistic="median", overlaps=program.overlaps) == median
+
+
+@pytest.mark.parametrize("overlap", ["sum", "max"])
+def test_fit_reads_overhead_and_latency_around_overlapped_pairs(overlap):
+    """DualPipeV's pairs: a pair's forward waits for its backward's gradient too, and under
+    "max" both of its spans start together; neither is read as latency or overhead."""
+    program = dual_pipe_v(4).program(4)
+    assert program.overlaps
+    costs = Costs(forward=1.0, backward=2.0, overhead=0.25, latency=0.5, overlap=overlap)
+    fitted = Costs.from_timeline(simulate(program, costs).timeline, overlaps=program.overlaps)
+    assert (fitted.overhead, fitted.latency, fitted.overlap) == (0.25, 0.5, overlap)
+    assert fitted.forward == (1.0,) * 4 and fitted.backward == (2.0,) * 4
+    # the pairs given as torch spells them
+    assert Costs.from_timeline(simulate(program, costs).timeline,
+                               overlaps=[str(o) for o in program.overlaps]) == fitted
 
 
 def test_fit_takes_medians_over_steps_and_derives_what_did_not_run():
@@ -164,6 +184,12 @@ def test_fit_refuses_what_it_cannot_fit():
         Costs.from_timeline(((1, 2),))
     with pytest.raises(ValueError, match="runs from 2 to 1"):
         Costs.from_timeline(((Span(_a("0F0"), 2, 1),),))
+    with pytest.raises(TypeError, match="overlaps holds Overlap values"):
+        Costs.from_timeline(((Span(_a("0F0"), 0, 1),),), overlaps=[1])
+    apart = ((*(Span(_a(a), t, t + 1) for t, a in enumerate(["0F0", "1F0", "0F1", "2F0"])),
+              Span(_a("2B0"), 4, 6)),)
+    with pytest.raises(ValueError, match=r"does not hold the overlapped pair \(0F1;2B0\)"):
+        Costs.from_timeline(apart, overlaps=["(0F1;2B0)"])
 
 
 def _a(text):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 
-from fpipe.schedules.actions import Action, B, F, I, Op, R, W
+from fpipe.schedules.actions import Action, B, F, I, Op, Overlap, R, W, _as_overlap
 from fpipe.schedules.validate import dependencies
 
 __all__ = ["Costs", "Cost"]
@@ -197,7 +197,7 @@ class Costs:
 
     @classmethod
     def from_timeline(cls, *timelines: Sequence[Sequence[object]], n_stages: int | None = None,
-                      statistic: str = "mean") -> Costs:
+                      statistic: str = "mean", overlaps: Iterable[Overlap | str] = ()) -> Costs:
         """Costs fitted to one or more recorded steps (``Recorder.timeline``, or
         ``*recorder.steps``), per stage, in the timelines' unit (seconds for a recorder).
 
@@ -215,6 +215,13 @@ class Costs:
         - ``latency`` is the mean (or median) of how long after its input's end an action that
           waited for it started; a recorded step cannot tell a transfer's fixed latency from
           its size-proportional part, so ``transfer`` is 0 and all of it is in ``latency``.
+        - ``overlaps``: the program's overlapped pairs (``program.overlaps``), which a timeline
+          does not show. A pair is one unit: its forward waited for its backward's inputs too,
+          and its backward for nothing more, so the forward's wait counts from the later of
+          both inputs, and the backward's gap is overhead (``"sum"``) or none at all
+          (``"max"``, where it started with the forward). ``overlap`` is ``"max"`` when every
+          pair's backward started before its forward ended (or with it: they ran at once),
+          else ``"sum"``; the worker is free after the later of the two ends.
 
         Simulating the recorded program under the result reproduces a timeline made by the
         simulator exactly; for a measured one, see docs/choosing-a-schedule.md for how close.
@@ -246,40 +253,67 @@ class Costs:
                                                                            COMPUTE)})
             for name in COMPUTE:
                 ops[name].append(getattr(stage, name))
-        overhead, latency = _gaps(timelines, n_stages, average)
+        pairs = {o.forward: o.backward for o in map(_as_overlap, overlaps)}
+        overhead, latency, overlap = _gaps(timelines, n_stages, average, pairs)
         unmeasured = {(name, s) for op, name in zip((F, B, I, W, R), COMPUTE)
                       for s in range(n_stages) if (op, s) not in durations_of}
         return cls(**{name: tuple(values) for name, values in ops.items()},
-                   overhead=overhead, latency=latency, unmeasured=frozenset(unmeasured))
+                   overhead=overhead, latency=latency, overlap=overlap,
+                   unmeasured=frozenset(unmeasured))
 
 
 def _gaps(timelines: Sequence[Sequence[Sequence[object]]], n_stages: int,
-          average: Callable[[list[float]], float]) -> tuple[float, float]:
-    """The overhead between actions, and the wait for another worker's input, averaged.
+          average: Callable[[list[float]], float],
+          pairs: dict[Action, Action]) -> tuple[float, float, str]:
+    """The overhead between actions, the wait for another worker's input, averaged, and how
+    the overlapped ``pairs`` (forward -> backward) ran.
 
     Each action has its gap (from the end of the one before it on its worker, or from the
     step's start) and, if it needs a result from another worker, the time since the last such
     result ended. Gaps of actions that need nothing from another worker are pure overhead;
     an action whose gap exceeds the overhead waited for its input, and that wait is latency.
+    A pair's forward needs its backward's inputs too; its backward needs nothing: its gap is
+    overhead under ``"sum"``, and under ``"max"`` (it started with the forward) it has none.
     """
+    rows_of = [[[_span(s) for s in row] for row in _rows(timeline)] for timeline in timelines]
+    at_once = [_ran_at_once(row, i, pairs) for rows in rows_of for row in rows
+               for i, (action, _, _) in enumerate(row) if action in pairs]
+    overlap = "max" if at_once and all(at_once) else "sum"
+    paired = set(pairs.values())
     observed = []  # (gap, time since the last remote input ended, or None)
-    for timeline in timelines:
-        rows = [[_span(s) for s in row] for row in _rows(timeline)]
+    for rows in rows_of:
         where = {a: w for w, row in enumerate(rows) for a, _, _ in row}
         ends = {a: end for row in rows for a, _, end in row}
         present = frozenset(where)
         for w, row in enumerate(rows):
             before = 0.0
             for action, start, end in row:
-                remote = [ends[need] for need, _ in dependencies(action, present, n_stages)
-                          if need in where and where[need] != w]
-                observed.append((start - before, start - max(remote) if remote else None))
-                before = end
+                if action in paired:  # its inputs were awaited by its forward
+                    if overlap == "sum":
+                        observed.append((start - before, None))
+                else:
+                    needs = [need for unit in (action, pairs.get(action)) if unit is not None
+                             for need, _ in dependencies(unit, present, n_stages)]
+                    remote = [ends[need] for need in needs if need in where and where[need] != w]
+                    observed.append((start - before, start - max(remote) if remote else None))
+                before = max(before, end)  # a pair's worker is free after its later end
     free = [gap for gap, wait in observed if wait is None]
     overhead = max(average(free), 0.0) if free else 0.0
     tolerance = 1e-9 * max(1.0, overhead)
     waited = [wait for gap, wait in observed if wait is not None and gap > overhead + tolerance]
-    return overhead, max(average(waited), 0.0) if waited else 0.0
+    return overhead, max(average(waited), 0.0) if waited else 0.0, overlap
+
+
+def _ran_at_once(row: list, i: int, pairs: dict[Action, Action]) -> bool:
+    """Whether the pair whose forward is ``row[i]`` ran at once: its backward, which must be
+    the next span on the worker, started before the forward ended or with it."""
+    forward, start, end = row[i]
+    if i + 1 == len(row) or row[i + 1][0] != pairs[forward]:
+        raise ValueError(f"the timeline does not hold the overlapped pair "
+                         f"{Overlap(forward, pairs[forward])}: its backward must be the span "
+                         f"right after its forward on the worker")
+    b_start = row[i + 1][1]
+    return b_start < end or b_start <= start
 
 
 def _rows(timeline: object) -> list:

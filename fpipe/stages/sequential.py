@@ -141,6 +141,14 @@ def check_ties_given(stages: Sequence[Any], ties: Any) -> None:
                 f"(fpipe.pipeline(s, schedule=...)), or ties=s.ties")
 
 
+def unpacked(stages: Any, ties: Any) -> tuple[Any, Any]:
+    """The stage functions a pipeline is given, and its ties: a :class:`Stages` value brings
+    its cut's ties (``ties=`` beside it wins), so none is forgotten. Both faces unpack here."""
+    if isinstance(stages, Stages):
+        return stages.stages, stages.ties if ties is None else ties
+    return stages, ties
+
+
 def from_sequential(module: nn.Sequential, balance: Sequence[int],
                     devices: Sequence[torch.device | str] | None = None, *,
                     stateful: bool | None = None, init: Init = "reset_parameters",

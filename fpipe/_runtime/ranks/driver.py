@@ -20,7 +20,7 @@ from fpipe._runtime.engine import output_cotangents
 from fpipe._runtime.instructions import compiled
 from fpipe._runtime.interpreter import Interpreter
 from fpipe._runtime.ranks.agreement import Fingerprint
-from fpipe._runtime.ranks.data_parallel import GradReduce
+from fpipe._runtime.ranks.data_parallel import DataParallel, GradReduce
 from fpipe._runtime.ranks.faults import RankFaults, at_rank
 from fpipe._runtime.ranks.inputs import to
 from fpipe._runtime.ranks.p2p import RankChannel, Routes, make_groups, send_orders
@@ -127,6 +127,20 @@ class RankDriver:
                                        f"{target_size - 1}")
         return n, seed, None
 
+    def agreed(self, x: Any, target: Any, call: int) -> tuple[int, int]:
+        """``(n, seed)``: the :meth:`header` of a call, its seed drawn from this rank's
+        generators (left as they were), under the failure guard; a bad input or target, which
+        the header tells every rank, is raised by every rank by itself."""
+        seed = StepSeed([self.device])
+        try:
+            n, seed_value, error = self.faults.guarded(
+                lambda: self.header(x, target, seed.seed, call))
+        finally:
+            seed.restore()
+        if error is not None:  # every rank knows it, so every rank raises it by itself
+            raise error
+        return n, seed_value
+
     def new_step(self, program: Program, training: bool, open_ended: bool, params: list,
                  states: list, x: Any, target: Any, n: int, seed: int, record: Recorder | None,
                  stateful: bool) -> tuple[Step, RankChannel]:
@@ -209,9 +223,13 @@ class RankDriver:
         self.run(step, actions, channel, reduce)
         return self.finish(step, channel, training)
 
-    def close(self) -> None:
-        """Wait until every rank of the pipeline is here (so none tears its groups down while
-        another still reads from them), then release fpipe's groups."""
+    def close(self, replicas: DataParallel | None = None) -> None:
+        """Wait until every rank of the pipeline, and of its ``replicas``' group, is here (so
+        none tears its groups down while another still reads from them), then release
+        fpipe's groups."""
+        if replicas is not None:
+            self.faults.wait(dist.barrier(group=replicas.group, async_op=True),
+                             "its data-parallel replicas to close the pipeline", replicas.peer)
         self.faults.wait(dist.barrier(group=self.group, async_op=True),
                          "every rank of the pipeline to close it", self.ranks[0])
         for group in self.faults.groups:

@@ -11,6 +11,7 @@ import optree
 import torch
 
 from fpipe._runtime.placement import check_params, check_state, stage_devices
+from fpipe._runtime.sources import follow
 from fpipe._runtime.values import param_leaves
 from fpipe.errors import PlacementError
 from fpipe.schedules.actions import Program
@@ -71,9 +72,12 @@ class Held(NamedTuple):
     specs: dict
     n_stages: int
 
-    def param_leaves(self, params: Mapping[int, Any] | None, built: Mapping[int, Any]) -> list:
+    def param_leaves(self, params: Mapping[int, Any] | None, built: Mapping[int, Any],
+                     sources: list | None = None) -> list:
         """Per stage of the whole pipeline, this rank's parameter leaves (``None`` for the
-        others): ``params`` of a call, checked, or the ones the pipeline was ``built`` with."""
+        others): ``params`` of a call, checked, or the ones the pipeline was ``built`` with;
+        with ``sources``, those that follow a model parameter (:func:`~fpipe._runtime.sources.
+        follow`) follow it."""
         if params is None:
             params = built
         else:
@@ -86,8 +90,9 @@ class Held(NamedTuple):
                                      f"{optree.tree_structure(params[s])}, but the pipeline was "
                                      f"built with {self.specs[s]}")
             check_params(params, {s: self.device for s in self.stages})
-        return [param_leaves(params[s]) if s in params else None
-                for s in range(self.n_stages)]
+        leaves = [param_leaves(params[s]) if s in params else None
+                  for s in range(self.n_stages)]
+        return follow(leaves, sources) if sources and any(sources) else leaves
 
     def states(self, state: Mapping[int, Any] | None, built: Mapping[int, Any] | None) -> list:
         """Per stage of the whole pipeline, the state this rank passes (``None`` for others):
@@ -103,6 +108,14 @@ class Held(NamedTuple):
         else:
             self.check_state(state)
         return [state.get(s) for s in range(self.n_stages)]
+
+    def built_state(self, state: Mapping[int, Any] | None) -> dict | None:
+        """The state of this rank's stages that the pipeline is built with, checked (``None``:
+        the pipeline has no state)."""
+        if state is None:
+            return None
+        self.check_state(state, PlacementError)
+        return {s: state[s] for s in self.stages}
 
     def check_state(self, state: Mapping[int, Any], error: type = ValueError) -> None:
         if set(state) != set(self.stages):

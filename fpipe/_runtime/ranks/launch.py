@@ -1,6 +1,7 @@
 """Joining a job and finding one's place in it: :func:`fpipe.distributed.init` (the process
-group ``torchrun`` describes) and :func:`fpipe.distributed.my_stages` (the stages a rank holds,
-before any parameter is built). Public through :mod:`fpipe.distributed`."""
+group ``torchrun`` describes; a pipeline refused before it, :func:`check_joined`) and
+:func:`fpipe.distributed.my_stages` (the stages a rank holds, before any parameter is built).
+Public through :mod:`fpipe.distributed`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fpipe._runtime.ranks.driver import backend_for
 from fpipe.schedules.actions import program_of
 from fpipe.schedules.validate import validate
 
-__all__ = ["init", "my_stages", "LAUNCH_VARIABLES"]
+__all__ = ["init", "check_joined", "my_stages", "LAUNCH_VARIABLES"]
 
 
 def init(device: torch.device | str | None = None) -> torch.device:
@@ -35,6 +36,13 @@ def init(device: torch.device | str | None = None) -> torch.device:
         _check_launched()
         dist.init_process_group(backend_for(device))
     return device
+
+
+def check_joined() -> None:
+    """Refuse to build a pipeline before this process has joined a process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("fpipe.distributed needs a process group: call "
+                           "fpipe.distributed.init() (or torch.distributed.init_process_group)")
 
 
 #: What torchrun sets for every rank, and ``init_process_group``'s ``env://`` reads.
