@@ -6,7 +6,7 @@ or raise what looks like their stage's error. So every rank describes what must 
 :class:`Fingerprint`: the program, its placement and micro-batch count, the step's options,
 and the trees, shapes and dtypes of the parameters and state of each stage it holds),
 the descriptions travel in the gather every rank makes anyway when a pipeline is built
-(:func:`fpipe._runtime.ranks.p2p.make_groups`), and :func:`check` compares them there, before any
+(:func:`fpipe._runtime.ranks.links.make_groups`), and :func:`check` compares them there, before any
 group exists. Every rank compares the same list in the same order, so a mismatch is one
 :class:`~fpipe.errors.PlacementError`, raised alike on every rank, naming the field, two ranks
 and both values; nothing built differently reaches a collective.

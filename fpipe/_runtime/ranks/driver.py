@@ -23,7 +23,8 @@ from fpipe._runtime.ranks.agreement import Fingerprint
 from fpipe._runtime.ranks.data_parallel import DataParallel, GradReduce
 from fpipe._runtime.ranks.faults import RankFaults, at_rank
 from fpipe._runtime.ranks.inputs import to
-from fpipe._runtime.ranks.p2p import RankChannel, Routes, make_groups, send_orders
+from fpipe._runtime.ranks.links import make_groups
+from fpipe._runtime.ranks.p2p import RankChannel, Routes, send_orders
 from fpipe._runtime.rng import StepSeed
 from fpipe._runtime.step import Step, Vjp
 from fpipe.errors import BatchError
