@@ -135,6 +135,29 @@ def test_simulated_times_are_the_authors_generators(memory, K, costs):
     assert ours == THEIRS[costs][memory, K]
 
 
+#: The authors' orders at two sizes (the same generator's third result, stage_order, at f, b, w,
+#: c = 5, 6, 4, 1; their F, f, B, b, W, w of worker w are fpipe's F of stage w, F of stage
+#: 2K-1-w, I of 2K-1-w, I of w, W of 2K-1-w and W of w): times alone cannot tell the order of
+#: two weight gradients of equal cost.
+THEIR_ORDERS = {
+    ("half", 2, 3): "worker 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0I0 3I1 3W1 3F2 3I2 0I1 3W2 0I2 0W0 "
+                    "0W1 0W2\n"
+                    "worker 1: 1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 1F2 2F2 2I1 1I1 2I2 1I2 2W1 2W2 "
+                    "1W1 1W2",
+    ("min", 3, 3): "worker 0: 0F0 0F1 0F2 5F0 5I0 5W0 5F1 5I1 5W1 0I0 0W0 5F2 0I1 5I2 5W2 0W1 "
+                   "0I2 0W2\n"
+                   "worker 1: 1F0 1F1 4F0 4F1 4I0 4W0 1I0 1W0 4I1 1F2 4W1 4F2 1I1 1W1 4I2 4W2 "
+                   "1I2 1W2\n"
+                   "worker 2: 2F0 3F0 2F1 3F1 3I0 2I0 3W0 2W0 3I1 2F2 3F2 2I1 3W1 2W1 3I2 2I2 "
+                   "3W2 2W2",
+}
+
+
+@pytest.mark.parametrize("memory, K, chunks", sorted(THEIR_ORDERS))
+def test_orders_are_the_authors(memory, K, chunks):
+    assert str(MAKE[memory](chunks).program(2 * K)) == THEIR_ORDERS[memory, K, chunks]
+
+
 def expected_peaks(memory, K, chunks):
     """Per worker, the most live pairs (half-size stages) the blocks give: the block's peak,
     2*floor((K+2)/2) for V-Half (K+2 or K+1, about half of 1F1B's 2K) and 2*floor((K+4)/3)
