@@ -28,7 +28,7 @@ from fpipe.schedules import (
     v_min,
     validate,
 )
-from fpipe.schedules.controllable_v import v_peak
+from fpipe.schedules.controllable_v import BLOCKS, PERIOD, v_peak
 from fpipe.schedules.remat import recomputed
 
 F, R, I, W = Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
@@ -156,6 +156,15 @@ THEIR_ORDERS = {
 @pytest.mark.parametrize("memory, K, chunks", sorted(THEIR_ORDERS))
 def test_orders_are_the_authors(memory, K, chunks):
     assert str(MAKE[memory](chunks).program(2 * K)) == THEIR_ORDERS[memory, K, chunks]
+
+
+@pytest.mark.parametrize("memory", ["half", "min"])
+def test_no_two_jobs_of_a_block_share_a_slot(memory):
+    """Each worker's four slots differ modulo the period, for every K (up to 60 here), so the
+    block laid out once per micro-batch never puts two jobs in one slot."""
+    for K in range(1, 61):
+        for starts in BLOCKS[memory](K):
+            assert len({s % PERIOD for s in starts}) == 4, (K, starts)
 
 
 def expected_peaks(memory, K, chunks):

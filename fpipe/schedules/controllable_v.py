@@ -47,7 +47,7 @@ def _half_block(k: int) -> list[tuple[int, int, int, int]]:
     forwards go down the V one worker per two slots, back up one per slot; the backwards the
     same way back. With K even, the backwards start 3 slots later, else the second stage's
     forward and the first stage's input gradient would share a slot (3K apart, a multiple of
-    6)."""
+    6); every other two of a worker's four slots differ by 1 or 2 modulo 3."""
     gap = 3 if k % 2 == 0 else 0
     return [(2 * w, 3 * k - 2 - w, 3 * k - 1 + gap + 2 * w, 6 * k - 2 + gap - w)
             for w in range(k)]
@@ -55,13 +55,16 @@ def _half_block(k: int) -> list[tuple[int, int, int, int]]:
 
 def _min_block(k: int) -> list[tuple[int, int, int, int]]:
     """V-Min's block: one slot per worker down and up, forwards then backwards, a shorter
-    lifespan than V-Half's. With K a multiple of 3 the backwards start 2 slots later, else a
-    worker's first forward and first backward would share a slot (2K apart)."""
+    lifespan than V-Half's. With K a multiple of 3 the backwards start 2 slots later, else the
+    forward of a worker's first stage and the input gradient of its second (and the second's
+    forward and the first's input gradient) would share a slot (2K apart, a multiple of 6);
+    every other two of a worker's four slots are an odd number apart."""
     gap = 2 if k % 3 == 0 else 0
     return [(w, 2 * k - 1 - w, 2 * k + gap + w, 4 * k - 1 + gap - w) for w in range(k)]
 
 
-#: The building blocks by name: per K, each worker's slots of micro-batch 0's four jobs.
+#: The building blocks by name: per K, each worker's slots of micro-batch 0's four jobs, no two
+#: of one worker equal modulo :data:`PERIOD` (so laid out, no two jobs share a slot).
 BLOCKS: dict[str, Callable[[int], list[tuple[int, int, int, int]]]] = {
     "half": _half_block, "min": _min_block}
 
@@ -91,9 +94,11 @@ class ControllableV:
 
     Why: ZB-V nearly removes the bubble but holds as many activations as 1F1B's first worker
     (2K live pairs of half-size stages); V-Half holds about half of that (K+2 pairs at most,
-    :func:`v_peak`) and V-Min about a third, for some idle time, as the paper's Table 3 sets
-    them: V-Half close to ZB-V's time, V-Min close to 1F1B's. So where activations do not fit
-    1F1B or ZB-V, these may, without recomputing. The order does not depend on the costs.
+    :func:`v_peak`) and V-Min about a third, for some idle time: with equal F, I and W costs
+    V-Half comes close to ZB-V's time and V-Min stays ahead of 1F1B's (the table in
+    docs/choosing-a-schedule.md). So where activations do not fit 1F1B or ZB-V, these may,
+    without recomputing. The order does not depend on the costs; the blocks are laid out for
+    equal F, I and W, and with unequal ones V-Min can fall behind 1F1B (simulate yours).
     """
 
     chunks: int
@@ -130,10 +135,6 @@ def v_order(memory: str, n_workers: int, chunks: int) -> Program:
     k = n_workers
     laid = [{(kind, m): start + PERIOD * m for kind, start in enumerate(starts)
              for m in range(chunks)} for starts in _block(memory)(k)]
-    for plan in laid:
-        if len(set(plan.values())) != len(plan):  # the blocks' gaps rule this out
-            raise RuntimeError(f"v_{memory}'s block puts two jobs in one slot at K={k}; "
-                               f"please report this")
     plans = squeeze([with_weights(p) for p in laid], chunks, weights=True)
     plans = squeeze([_without_weights(p) for p in retimed(plans)], chunks, weights=False)
     plans = [with_weights(_without_weights(p), typed=True)
