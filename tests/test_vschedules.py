@@ -266,3 +266,12 @@ def test_choose_schedule_picks_them_where_only_they_fit():
                             chunks=(16,), remat=("never",))
     assert least.schedule == v_min(16) and least.best.peak_bytes == 4 * 2**20
     assert [t.name for t in least.trials if t.fits] == ["v_min"]
+
+
+def test_drawn_by_the_strategies_as_shipped_families():
+    """fpipe.schedules.strategies' shipped programs include them wherever a V fits."""
+    from fpipe.schedules._orders import fitting_families
+
+    found = fitting_families(6, 5)
+    assert found["v_half"] == v_half(5).program(6) and found["v_min"] == v_min(5).program(6)
+    assert not {"v_half", "v_min"} & set(fitting_families(5, 5))
