@@ -32,6 +32,8 @@ from fpipe.schedules import (
     interleaved_zero_bubble,
     looped_bfs,
     one_f_one_b,
+    v_half,
+    v_min,
     validate,
     zero_bubble,
     zero_bubble_v,
@@ -46,7 +48,7 @@ logging.getLogger("fpipe").addHandler(logging.NullHandler())
 __all__ = [
     "pipeline", "Pipeline", "GPipe", "is_recomputing", "is_checkpointing", "gpipe", "one_f_one_b",
     "interleaved_one_f_one_b", "looped_bfs", "zero_bubble", "zero_bubble_v",
-    "interleaved_zero_bubble", "dual_pipe_v", "Program",
+    "interleaved_zero_bubble", "dual_pipe_v", "v_half", "v_min", "Program",
     "Action", "Op", "validate", "ScheduleError", "StageError", "BatchError", "PlacementError",
     "NonFiniteLossError", "OversubscriptionWarning", "amp", "optim", "saving", "Recorder",
     "StepFigures", "StepLog",

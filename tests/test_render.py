@@ -162,7 +162,7 @@ def test_draw_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
 
 
 @given(st.sampled_from(["gpipe", "one_f_one_b", "zero_bubble", "zero_bubble_v",
-                        "interleaved_one_f_one_b", "dual_pipe_v"]),
+                        "interleaved_one_f_one_b", "dual_pipe_v", "v_half", "v_min"]),
        st.integers(1, 4), st.integers(10, 40), st.sampled_from([1.0, 2.0, 3.0]))
 def test_every_bar_of_a_shipped_schedule_has_its_label(name, K, chunks, backward):
     """Two-digit micro-batches too: the panels are sized for the shortest op, not for the
@@ -175,8 +175,8 @@ def test_every_bar_of_a_shipped_schedule_has_its_label(name, K, chunks, backward
     if name == "interleaved_one_f_one_b":
         schedule, n_stages = make(chunks, 2), 2 * K
     else:
-        schedule, n_stages = make(chunks), (2 * K if name in ("zero_bubble_v",
-                                                              "dual_pipe_v") else K)
+        schedule, n_stages = make(chunks), (2 * K if name in ("zero_bubble_v", "dual_pipe_v",
+                                                              "v_half", "v_min") else K)
     timeline = simulate(schedule.program(n_stages), Costs(backward=backward)).timeline
     plan = chart_plan(timeline)
     unlabelled = [str(s.action) for row in timeline for s in row if not plan.labelled(s)]

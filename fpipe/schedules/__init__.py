@@ -25,6 +25,7 @@ from fpipe.schedules.actions import (
 )
 from fpipe.schedules.builder import ListScheduled, backward_first, forward_first, list_schedule
 from fpipe.schedules.colocate import colocate
+from fpipe.schedules.controllable_v import ControllableV, v_half, v_min
 from fpipe.schedules.csv_format import from_csv, to_csv
 from fpipe.schedules.dualpipe import DualPipeV, dual_pipe_v
 from fpipe.schedules.gpipe import GPipeSchedule, gpipe
@@ -65,4 +66,5 @@ __all__ = [
     "StageCountError", "list_schedule", "ListScheduled", "backward_first", "forward_first",
     "dual_pipe_v", "DualPipeV", "interleaved_zero_bubble", "InterleavedZeroBubble",
     "placement_of", "F", "R", "B", "I", "W", "Overlap", "UnmeasuredCostWarning",
+    "v_half", "v_min", "ControllableV",
 ]

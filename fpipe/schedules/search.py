@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fpipe.schedules.actions import Program, program_of
+from fpipe.schedules.controllable_v import v_half, v_min
 from fpipe.schedules.costs import Costs
 from fpipe.schedules.dualpipe import dual_pipe_v
 from fpipe.schedules.gpipe import gpipe
@@ -70,6 +71,9 @@ FAMILIES: dict[str, Family] = {
     # so a forward need not wait for its partner's gradient (faster where pairs do not overlap)
     "dual_pipe_v_unpaired": _v_shape(lambda chunks, remat: dual_pipe_v(chunks, remat, False),
                                      chunks_per_stage=True),
+    # the controllable-memory Vs: about a half and a third of ZB-V's activations
+    "v_half": _v_shape(v_half),
+    "v_min": _v_shape(v_min),
 }
 
 
