@@ -477,6 +477,25 @@ MUTANTS = (
            "_runtime/instructions.py",
            'loss = getattr(exc, "fpipe_loss", None)', "loss = None",
            ("tests/test_messages.py",)),
+    # -- session 39: pricing by stage count, measured waits, saving agreed, Statefuls given back
+    Mutant("choose_schedule prices every stage count with the first one's costs",
+           "schedules/search.py", "        return priced\n",
+           "        return {(m, count): next(c for (n, _), c in priced.items() if n == m)"
+           " for m, _ in priced for count in counts}\n",
+           ("tests/test_search.py",)),
+    Mutant("a gap within the free gaps' spread read as a wait", "schedules/costs.py",
+           "if wait is not None and gap > max(overhead, jitter) + tolerance]",
+           "if wait is not None and gap > overhead + tolerance]",
+           ("tests/test_costs.py",)),
+    Mutant("save's local refusals raised on one rank alone", "saving.py",
+           '    state_dict, saved = agreed(prepare, process_group, "save")',
+           "    state_dict, saved = prepare()",
+           ("tests/test_saving_distributed.py::test_a_save_refused_on_one_rank_is_one_error_on_every_rank",)),
+    Mutant("a refused Stateful leaves the entries loaded before it",
+           "_runtime/ranks/training_state.py",
+           "            apply(extra, kept)\n            raise", "            raise",
+           ("tests/test_training_state.py",)),
+
 )
 
 
