@@ -297,8 +297,8 @@ MUTANTS = (
            ("tests/test_swap.py",)),
     # -- the distributed channel ---------------------------------------------------------------
     Mutant("a value whose shapes changed sent as if they had not", "_runtime/ranks/p2p.py",
-           "blob = b\"\" if known is not None and _same(known.meta, meta) else",
-           "blob = b\"\" if known is not None else",
+           "        if known is not None and _same(known.meta, meta):\n",
+           "        if known is not None:\n",
            ("tests/test_distributed.py::test_training_with_a_new_sequence_length_every_step",)),
     # -- scaling out (issue 16) ----------------------------------------------------------------
     Mutant("replicas' gradients averaged equally, not by their shares of the batch",

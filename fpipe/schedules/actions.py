@@ -188,6 +188,21 @@ class Program:
         object.__setattr__(self, "n_microbatches", positive_int("n_microbatches", n_microbatches))
         object.__setattr__(self, "overlaps", frozenset(pairs))
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a driver keys its compiled plans by program at
+        every step, and hashing every action (and its op, an enum) again was about a tenth
+        of a small step's host time in a profile."""
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.workers, self.n_stages, self.n_microbatches, self.overlaps))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash: an op's hash (its name's) differs between
+        processes."""
+        return {key: value for key, value in self.__dict__.items() if key != "_hash"}
+
     @property
     def n_workers(self) -> int:
         return len(self.workers)

@@ -83,12 +83,14 @@ def send_orders(plan: tuple, owners: Sequence[int], stashes: Sequence[tuple[str,
 
 
 class _Known:
-    """What both ends know of a key after a step: the value's meta and the next size."""
+    """What both ends know of a key after a step: the value's meta, the next size, and where
+    the meta's leaves lie in a message without the meta (``layout``: offsets and end, the
+    steady state's, worked out once per meta rather than at every message)."""
 
-    __slots__ = ("meta", "size")
+    __slots__ = ("meta", "size", "layout")
 
-    def __init__(self, meta: tuple | None, size: int) -> None:
-        self.meta, self.size = meta, size
+    def __init__(self, meta: tuple, size: int, layout: tuple[list, int]) -> None:
+        self.meta, self.size, self.layout = meta, size, layout
 
 
 class Routes(NamedTuple):
@@ -149,11 +151,15 @@ class RankChannel:
                       else (None, leaf) for leaf in leaves))
         known = self.known.get(key)
         announced = _PREFIX if known is None else known.size
-        blob = b"" if known is not None and _same(known.meta, meta) else pickle.dumps(meta)
-        offsets, end = _layout(meta[2], _aligned(_PREFIX + len(blob)))
-        _, steady = _layout(meta[2], _PREFIX)
+        if known is not None and _same(known.meta, meta):
+            blob, layout = b"", known.layout
+            offsets, end = layout
+        else:
+            blob, layout = pickle.dumps(meta), _layout(meta[2], _PREFIX)
+            offsets, end = _layout(meta[2], _aligned(_PREFIX + len(blob)))
+        steady = layout[1]
         following = announced if steady <= announced <= 2 * steady else steady
-        self.known[key] = _Known(meta, following)
+        self.known[key] = _Known(meta, following, layout)
         values, grown = self.links[self.rank, dst]
         position = self.positions[key]
         with torch.no_grad():
@@ -242,14 +248,16 @@ class RankChannel:
             buffer = torch.empty(end, dtype=torch.uint8, device=self.wire)
             self._wait(self._irecv(buffer, src, 1, key), src, key, awaited)
             flag = META
-        known = self.known.get(key)
         if flag == META:
             meta = pickle.loads(bytes(buffer[_PREFIX:_PREFIX + blob].tolist()))
+            layout = _layout(meta[2], _PREFIX)
+            offsets, _ = _layout(meta[2], _aligned(_PREFIX + blob))
         else:
-            meta = known.meta
-        self.known[key] = _Known(meta, following)
+            known = self.known[key]
+            meta, layout = known.meta, known.layout
+            offsets = layout[0]
+        self.known[key] = _Known(meta, following, layout)
         self._post(src)
-        offsets, _ = _layout(meta[2], _aligned(_PREFIX + blob))
         leaves = [_view(buffer, offset, *leaf) if offset is not None else leaf[1]
                   for offset, leaf in zip(offsets, meta[2])]
         spec, grad_index = meta[0], meta[1]
