@@ -21,7 +21,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     "resnet101.py", "search.py", "gpu.py", "amoeba.py",
     # [bench]: without numpy, torch.distributed.pipelining's rows are marked not run.
     pytest.param("cpu_scaling.py", marks=pytest.mark.needs_extra),
-    pytest.param("transformer_ranks.py", marks=pytest.mark.needs_extra)])
+    pytest.param("transformer_ranks.py", marks=pytest.mark.needs_extra),
+    pytest.param("rank_host.py", marks=pytest.mark.needs_extra)])
 def test_quick_mode_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     run = patience.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],
@@ -40,6 +41,12 @@ def test_quick_mode_writes_json(script, tmp_path):
         rows = {(row["batch"], row["row"]): row["check"] for row in result["rows"]}
         ran = "ok" if importlib.util.find_spec("numpy") else "not run"
         assert rows[(16, "torch Schedule1F1B")] == rows[(256, "torch Schedule1F1B")] == ran
+    if script == "rank_host.py":  # both libraries on both ranks, fpipe's phases
+        rows = {(row["row"], row["rank"]): row for row in result["rows"]}
+        fpipe_rows = [rows[("fpipe.distributed one_f_one_b", rank)] for rank in (0, 1)]
+        assert all(isinstance(row["host_us"], int) and row["actions"] > 0 for row in fpipe_rows)
+        if importlib.util.find_spec("numpy"):
+            assert {("torch Schedule1F1B", 0), ("torch Schedule1F1B", 1)} <= set(rows)
     if script == "gpu.py":  # every model has the rows (and torchgpipe's, if installed)
         rows = {(row["model"], row["row"]) for row in result["rows"]}
         faces = {"plain whole batch", "plain micro-batch loop", "fpipe.GPipe"}
