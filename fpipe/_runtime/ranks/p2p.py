@@ -162,20 +162,19 @@ class RankChannel:
         self.known[key] = _Known(meta, following, layout)
         values, grown = self.links[self.rank, dst]
         position = self.positions[key]
-        with torch.no_grad():
-            if end <= announced:
-                message = _packed(announced, self.wire, (META if blob else SAME, position,
-                                                         len(blob), following), blob, offsets,
-                                  leaves)
-                self._isend(message, dst, values, key)
-                return
-            notice = torch.zeros(announced, dtype=torch.uint8, device=self.wire)
-            notice[:40].view(torch.int64).copy_(torch.tensor([GROWN, position, len(blob),
-                                                              following, end]))
-            self._isend(notice, dst, values, key)
-            message = _packed(end, self.wire, (META, position, len(blob), following), blob,
-                              offsets, leaves)
-            self._isend(message, dst, grown, key)
+        if end <= announced:
+            message = _packed(announced, self.wire, (META if blob else SAME, position,
+                                                     len(blob), following), blob, offsets,
+                              leaves)
+            self._isend(message, dst, values, key)
+            return
+        notice = torch.zeros(announced, dtype=torch.uint8, device=self.wire)
+        notice[:40].view(torch.int64).copy_(torch.tensor([GROWN, position, len(blob),
+                                                          following, end]))
+        self._isend(notice, dst, values, key)
+        message = _packed(end, self.wire, (META, position, len(blob), following), blob,
+                          offsets, leaves)
+        self._isend(message, dst, grown, key)
 
     def _isend(self, message: torch.Tensor, dst: int, group: Any, key: tuple) -> None:
         try:
@@ -306,8 +305,9 @@ def _packed(size: int, wire: torch.device, words: tuple, blob: bytes, offsets: l
         message[_PREFIX:_PREFIX + len(blob)].copy_(torch.frombuffer(bytearray(blob),
                                                                      dtype=torch.uint8))
     for offset, leaf in zip(offsets, leaves):
-        if offset is not None:
-            _view(message, offset, tuple(leaf.shape), leaf.dtype).copy_(leaf)
+        if offset is not None:  # (a leaf that requires grad is copied as data only)
+            _view(message, offset, tuple(leaf.shape), leaf.dtype).copy_(
+                leaf.detach() if leaf.requires_grad else leaf)
     return message
 
 
