@@ -125,8 +125,6 @@ class RankChannel:
                  ranks: Sequence[int]) -> None:
         self.rank, self.owners, self.links, self.faults = rank, owners, links, faults
         self.ranks = ranks
-        me = ranks[rank]
-        self.peers = {w: pair_rank(me, r) for w, r in enumerate(ranks) if w != rank}
         self.wire, self.known = wire, known
         self.arrived: dict[tuple, Any] = {}
         self.sending: list[tuple[Any, torch.Tensor, int, tuple]] = []
@@ -178,7 +176,7 @@ class RankChannel:
 
     def _isend(self, message: torch.Tensor, dst: int, group: Any, key: tuple) -> None:
         try:
-            work = group.send([message], self.peers[dst], 0)
+            work = group.send([message], pair_rank(self.ranks[self.rank], self.ranks[dst]), 0)
         except Exception as exc:  # the connection to ``dst`` is gone
             dst = self.ranks[dst]
             self.faults.failure_from(dst, f"rank {dst} to take {describe_key(key)}",
@@ -219,7 +217,8 @@ class RankChannel:
 
     def _irecv(self, buffer: torch.Tensor, src: int, which: int, key: tuple) -> Any:
         try:
-            return self.links[src, self.rank][which].recv([buffer], self.peers[src], 0)
+            return self.links[src, self.rank][which].recv(
+                [buffer], pair_rank(self.ranks[self.rank], self.ranks[src]), 0)
         except Exception as exc:  # the connection to ``src`` is gone
             src = self.ranks[src]
             self.faults.failure_from(src, f"{describe_key(key)} from rank {src}", _stage(key),
