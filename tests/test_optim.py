@@ -125,13 +125,27 @@ def plain_whole_batch_step(params, x, target):
     return grads, ref
 
 
-def test_two_half_batch_passes_bound_with_accumulate_equal_one_whole_batch_step():
-    """PyTorch's idiom: each half's loss divided by the number of passes, backward twice, one
-    step. With fpipe: loss_fn divided alike, bind_grads(accumulate=True) twice, one step."""
+def accumulation_case():
+    """A 3-stage float64 model, a batch of 8, the plain whole-batch step's gradients and
+    parameters (the reference), and an AdamW over the model's leaves: what a test of two
+    half-batch passes steps from."""
     params = mlp_params(3)
     x, target = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
     expected_grads, expected = plain_whole_batch_step(params, x, target)
     optimizer = torch.optim.AdamW(optree.tree_leaves(params), lr=0.1, weight_decay=0.1)
+    return params, x, target, expected_grads, expected, optimizer
+
+
+def assert_stepped_as(params, expected):
+    """The parameters after the step equal the reference's, exactly."""
+    assert_trees_close(params, [{k: v.detach() for k, v in p.items()} for p in expected],
+                       **EXACT)
+
+
+def test_two_half_batch_passes_bound_with_accumulate_equal_one_whole_batch_step():
+    """PyTorch's idiom: each half's loss divided by the number of passes, backward twice, one
+    step. With fpipe: loss_fn divided alike, bind_grads(accumulate=True) twice, one step."""
+    params, x, target, expected_grads, expected, optimizer = accumulation_case()
     with fpipe.pipeline([block] * 3, params, schedule=one_f_one_b(chunks=2),
                         loss_fn=lambda y, t: mse(y, t) / 2) as pipe:
         returned = []
@@ -147,15 +161,11 @@ def test_two_half_batch_passes_bound_with_accumulate_equal_one_whole_batch_step(
     torch.testing.assert_close(returned[0][0]["w"] + returned[1][0]["w"], params[0]["w"].grad,
                                **EXACT)
     optimizer.step()
-    assert_trees_close(params, [{k: v.detach() for k, v in p.items()} for p in expected],
-                       **EXACT)
+    assert_stepped_as(params, expected)
 
 
 def test_value_and_grad_accumulate_sums_the_calls_as_one_whole_batch_step():
-    params = mlp_params(3)
-    x, target = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
-    expected_grads, expected = plain_whole_batch_step(params, x, target)
-    optimizer = torch.optim.AdamW(optree.tree_leaves(params), lr=0.1, weight_decay=0.1)
+    params, x, target, expected_grads, expected, optimizer = accumulation_case()
     with fpipe.pipeline([block] * 3, params, schedule=gpipe(chunks=2),
                         loss_fn=lambda y, t: mse(y, t) / 2) as pipe:
         (x1, t1), (x2, t2) = halves(x, target)
@@ -172,8 +182,7 @@ def test_value_and_grad_accumulate_sums_the_calls_as_one_whole_batch_step():
         pipe.vjp(x1)  # nothing waits any more
     bind_grads(params, grads)
     optimizer.step()
-    assert_trees_close(params, [{k: v.detach() for k, v in p.items()} for p in expected],
-                       **EXACT)
+    assert_stepped_as(params, expected)
 
 
 def pipeline_own(params, x, target):
