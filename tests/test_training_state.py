@@ -150,16 +150,19 @@ class Refusing(Cursor):
         raise ValueError(f"cannot resume from position {state['position']}")
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["refusing-first", "refusing-last"])
 @pytest.mark.parametrize("face", ["load", "load_module"])
-def test_a_stateful_that_refuses_its_state_leaves_everything_as_it_was(tmp_path, face):
+def test_a_stateful_that_refuses_its_state_leaves_everything_as_it_was(tmp_path, face, first):
     """The user's ``load_state_dict`` is the one check fpipe cannot run ahead: it runs before
-    the model's tensors are written, and the entries loaded before it are given back. Before,
-    the model, the optimiser, the scheduler and the step were all loaded when it raised."""
+    the model's tensors are written, and the entries loaded before it are given back; the
+    error raised is its own (position 5, what it was given), wherever it stands among the
+    entries. Before, the model, the optimiser, the scheduler and the step were all loaded
+    when it raised."""
     s, optimizer, extra = run()
     steps(s, optimizer, extra, 2)
-    cursor = Cursor()
-    cursor.position = 7
-    saved = {"scheduler": extra["scheduler"], "step": 2, "cursor": cursor, "z": Cursor()}
+    cursor, refused = Cursor(), Cursor()
+    cursor.position, refused.position = 7, 5
+    saved = {"scheduler": extra["scheduler"], "step": 2, "cursor": cursor, "z": refused}
     if face == "load":
         saving.save(tmp_path, s.params, optimizer=optimizer, extra=saved)
     else:
@@ -173,10 +176,10 @@ def test_a_stateful_that_refuses_its_state_leaves_everything_as_it_was(tmp_path,
 
     other, other_optimizer, other_extra = run(seed=3)
     other_cursor = Cursor()
-    fresh = {"scheduler": other_extra["scheduler"], "step": 0, "cursor": other_cursor,
-             "z": Refusing()}
+    fresh = {"scheduler": other_extra["scheduler"], "step": 0, "cursor": other_cursor}
+    fresh = {"z": Refusing(), **fresh} if first else {**fresh, "z": Refusing()}
     scheduler = fresh["scheduler"].state_dict()
-    with pytest.raises(ValueError, match="cannot resume from position 0"):
+    with pytest.raises(ValueError, match="^cannot resume from position 5$"):
         if face == "load":
             before = {k: v.clone() for k, v in params(other).items()}
             saving.load(tmp_path, other.params, optimizer=other_optimizer, extra=fresh)

@@ -20,6 +20,7 @@ Nothing here writes into the caller's objects until :func:`apply` and :func:`res
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import random
@@ -77,11 +78,25 @@ def put(extra: dict[str, Any] | None, read: dict[str, Any],
         try:
             agree(lambda: apply(extra, read[EXTRA]))
         except BaseException:
-            apply(extra, kept)
+            _give_back(extra, kept)  # type: ignore[arg-type]
             raise
     if RNG in read:
         (generators,) = read[RNG].values()
         restore(generators)
+
+
+def _give_back(extra: dict[str, Any], kept: dict[str, Any]) -> None:
+    """Every entry of ``extra`` back to what it held before a refused load: a ``Stateful`` by
+    its own ``load_state_dict`` of its earlier state, a plain value put back. A ``Stateful``
+    that refuses even its earlier state is left as it is (the one that refused the load, which
+    took nothing in), and the others are still given back: the load's own error is the one
+    raised, not this one."""
+    for name, earlier in kept.items():
+        if _is_stateful(extra[name]):
+            with contextlib.suppress(Exception):
+                extra[name].load_state_dict(earlier)
+        else:
+            extra[name] = earlier
 
 
 def _is_stateful(value: Any) -> bool:
