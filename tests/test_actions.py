@@ -1,5 +1,7 @@
 """Actions and programs: plain values that print, parse, compare and hash."""
 
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -77,3 +79,25 @@ def test_program_rejects_bad_counts(bad):
 def test_program_parse_rejects_misnumbered_lines():
     with pytest.raises(ValueError, match="should start with 'worker 1:'"):
         Program.parse("worker 0: 0F0\nworker 2: 1F0")
+
+
+def test_a_pickled_program_hashes_as_one_built_in_another_process(tmp_path):
+    """A program computes its hash once; an op's hash (its name's) differs between processes,
+    so the cached hash must not travel: unpickled under another hash seed, the program is found
+    as a dict key by an equal program built there."""
+    import pickle
+    import subprocess
+    import sys
+
+    program = Program([["0F0", "0B0"], ["1F0", "1B0"]], 2, 1)
+    hash(program)
+    (tmp_path / "p.pkl").write_bytes(pickle.dumps(program))
+    code = ("import pickle, sys; from fpipe.schedules import Program; "
+            "loaded = pickle.loads(open(sys.argv[1], 'rb').read()); "
+            "fresh = Program([['0F0', '0B0'], ['1F0', '1B0']], 2, 1); "
+            "print({fresh: 'found'}.get(loaded), hash(loaded) == hash(fresh))")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p.pkl")],
+                             capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert out.stdout.split() == ["found", "True"], out
