@@ -9,11 +9,12 @@ action is a few microseconds of arithmetic, so what a step costs is the library'
 the host (handling actions, posting messages, agreeing with the other rank). *host_us* is the
 CPU time of a rank's main thread per step (the thread that runs every action and posts every
 message): unlike wall time it hardly moves with what else runs on the machine. fpipe's is also
-split by phase: the header agreed before the first action, the step's set-up (micro-batches,
-the channel and its posted receives), the actions, the end of the step (sends completed, the
-loss broadcast) and the rest of the call. Rows are interleaved (fpipe, torch, every round); each
-figure is the median over rounds of a round's mean over ``--steps`` steps, with the rounds'
-range for the whole step.
+split by phase: the header (posted, and agreed before the first action on every rank but stage
+0's, which agrees it at its first message), the step's set-up (micro-batches and the channel),
+the actions (with the receives and the loss broadcast they post), the end of the step (sends
+completed, the loss received) and the rest of the call. Rows are interleaved (fpipe, torch,
+every round); each figure is the median over rounds of a round's mean over ``--steps`` steps,
+with the rounds' range for the whole step.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _phased() -> dict[str, float]:
                 spent[phase] += time.thread_time() - start
         return timed
 
-    for cls, name, phase in ((RankDriver, "header", "header"), (RankDriver, "new_step", "set-up"),
+    for cls, name, phase in ((RankDriver, "agreed", "header"), (RankDriver, "new_step", "set-up"),
                              (Interpreter, "run", "actions"), (RankDriver, "finish", "end")):
         setattr(cls, name, timing(getattr(cls, name), phase))
     return spent

@@ -1,7 +1,7 @@
 """fpipe.distributed 1F1B against torch.distributed.pipelining's Schedule1F1B on 2 ranks.
 
     python benchmarks/transformer_ranks.py [--quick] [--json PATH] [--batch 16 256]
-        [--rounds R] [--steps N]
+        [--pairs N]
 
 A small transformer (an embedding of 256 tokens into width 64, 4 x
 ``nn.TransformerEncoderLayer(64, 4, 128, dropout=0, batch_first=True)``, a linear head back to
@@ -13,13 +13,15 @@ the stages that ``fpipe.stages.from_modules`` makes of the two parts, under
 ``Schedule1F1B``. Both start from the same parameters and batch (fixed seeds).
 
 At a small batch each action is little arithmetic, so the host's work per action decides; at a
-large one the kernels do. Rows are interleaved: every round runs fpipe then torch at each batch
-(A, B, A, B ...), each ``--steps`` timed steps (from a barrier to a barrier) after two warm-up
-steps; a row's step_ms is the median over rounds of each round's median step, with the rounds'
-range, and *fpipe/torch* is the median over rounds of that round's ratio, with its range.
-*host_ms* is each rank's host time per step (rank 0/rank 1): the CPU time of its main thread,
-median over rounds (see ``_timed``). *check* compares the two libraries' loss of the first step
-(relative 1e-5).
+large one the kernels do. **The two libraries alternate step by step** in the same two
+processes (A, B, B, A, A, B ...: each pair's order alternates too), every step timed from a
+barrier to a barrier after two warm-up steps of each: a shared machine's slow seconds then
+fall on both alike, where rounds of ten steps of one library and then the other gave ratios
+from 0.6 to 1.7 on this 2-core machine. *step_ms* is a library's median step with its
+interquartile range; *fpipe/torch* is the median over ``--pairs`` pairs of the pair's ratio,
+with its interquartile range. *host_ms* is each rank's host time per step (rank 0/rank 1): the
+CPU time of its main thread, median over steps (see ``_host``). *check* compares the two
+libraries' loss of the first step (relative 1e-5).
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import time
 from functools import partial
 
 import torch
-from common import parser, report, run_jobs, spawn_ranks, timed_steps
-from residual import TORCH_PIPELINING_MISSING, merge_ranks
+from common import parser, report, run_jobs, spawn_ranks
+from residual import TORCH_PIPELINING_MISSING
 from torch import nn
 
 VOCAB, SEQ, WIDTH, CHUNKS, WORLD = 256, 32, 64, 4, 2
+LIBRARIES = ("fpipe.distributed one_f_one_b", "torch Schedule1F1B")
 
-COLUMNS = ["batch", "row", "step_ms", "rounds_ms", "fpipe/torch", "ratio_rounds", "host_ms",
+COLUMNS = ["batch", "row", "step_ms", "iqr_ms", "fpipe/torch", "ratio_iqr", "host_ms",
            "check"]
 
 
@@ -58,21 +61,9 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
 
 
-def _timed(rank: int, group, step, steps: int) -> dict:
-    """The first step's loss (from the rank that has it), the median of ``steps`` more, and
-    the host time per step: the CPU time of this rank's main thread (which runs every action
-    and posts every message), the most of a small batch's step and, unlike wall time, hardly
-    moved by what else runs on the machine."""
-    torch.set_num_threads(1)
-    first = step()
-    cpu = time.thread_time()
-    seconds = timed_steps(step, group, steps, warmup=1)
-    return {"seconds": seconds, "loss": None if first is None else float(first),
-            "host": (time.thread_time() - cpu) / (steps + 1), "threads": torch.get_num_threads()}
-
-
-def fpipe_job(rank: int, world: int, group, batch: int, steps: int) -> dict:
-    """fpipe.distributed's 1F1B on this rank's stage."""
+def fpipe_step(rank: int, group, batch: int):
+    """fpipe.distributed's 1F1B on this rank's stage: one step, returning the loss on the rank
+    of the last stage."""
     import fpipe.distributed as fdist
     import fpipe.schedules
     import fpipe.stages
@@ -88,11 +79,12 @@ def fpipe_job(rank: int, world: int, group, batch: int, steps: int) -> dict:
         loss, _ = pipe.value_and_grad(x if rank == 0 else None, t if rank == WORLD - 1 else None)
         return loss if rank == WORLD - 1 else None
 
-    return _timed(rank, group, step, steps)
+    return step
 
 
-def torch_job(rank: int, world: int, group, batch: int, steps: int) -> dict:
-    """torch.distributed.pipelining's Schedule1F1B on this rank's stage."""
+def torch_step(rank: int, group, batch: int):
+    """torch.distributed.pipelining's Schedule1F1B on this rank's stage: one step, returning
+    the mean loss on the rank of the last stage."""
     import torch.distributed.pipelining as pipelining
 
     module = parts()[rank]
@@ -115,7 +107,40 @@ def torch_job(rank: int, world: int, group, batch: int, steps: int) -> dict:
         schedule.step(target=t, losses=losses)
         return torch.stack(losses).detach().mean()
 
-    return _timed(rank, group, step, steps)
+    return step
+
+
+def _host(step, group) -> tuple[float, float, object]:
+    """One step from a barrier to a barrier: its wall seconds (until the slowest rank is
+    done), this rank's host time (the CPU time of its main thread, which runs every action and
+    posts every message: the most of a small batch's step), and what it returned."""
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
+    start, cpu = time.perf_counter(), time.thread_time()
+    out = step()
+    host = time.thread_time() - cpu
+    dist.barrier(group=group)
+    return time.perf_counter() - start, host, out
+
+
+def pairs_job(rank: int, world: int, group, batch: int, pairs: int) -> dict:
+    """Both libraries on this rank, alternating step by step (see the module's docstring)."""
+    torch.set_num_threads(1)
+    steps = (fpipe_step(rank, group, batch), torch_step(rank, group, batch))
+    first = [_host(step, group)[2] for step in steps]
+    for _ in range(2):
+        for step in steps:
+            _host(step, group)
+    seconds: list[list[float]] = [[], []]
+    host: list[list[float]] = [[], []]
+    for i in range(pairs):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            wall, cpu, _ = _host(steps[which], group)
+            seconds[which].append(wall)
+            host[which].append(cpu)
+    return {"seconds": seconds, "host": host,
+            "loss": [None if out is None else float(out) for out in first]}
 
 
 def _check(a: float | None, b: float | None) -> str:
@@ -124,68 +149,63 @@ def _check(a: float | None, b: float | None) -> str:
     return "ok" if abs(a - b) <= 1e-5 * abs(b) else f"loss {a:.6g} != {b:.6g}"
 
 
-def _rows(batch: int, fpipe_runs: list[dict], torch_runs: list[dict]) -> list[dict]:
-    failed = next((r for r in fpipe_runs + torch_runs if "error" in r), None)
-    if failed is not None:
-        error = failed["error"].strip().splitlines()[-1][:200]
-        return [{"batch": batch, "row": name, "check": f"failed: {error}"}
-                for name in ("fpipe.distributed one_f_one_b", "torch Schedule1F1B")]
+def _quartiles(values: list[float], scale: float = 1.0) -> tuple[float, float, float]:
+    values = sorted(v * scale for v in values)
+    n = len(values)
+    return values[n // 4], values[n // 2], values[(3 * n) // 4]
 
-    def spread(values: list[float], scale: float = 1.0, fmt: str = ".4g") -> tuple:
-        values = sorted(v * scale for v in values)
-        return values[len(values) // 2], f"{values[0]:{fmt}}-{values[-1]:{fmt}}"
 
-    ratio, ratio_range = spread([f["seconds"] / t["seconds"]
-                                 for f, t in zip(fpipe_runs, torch_runs)], fmt=".3f")
-    check = _check(fpipe_runs[0]["loss"], torch_runs[0]["loss"])
+def _rows(batch: int, ranks: list) -> list[dict]:
+    failed = next((r for r in ranks if r is None or "error" in r), False)
+    if failed is not False:
+        error = "a rank timed out" if failed is None else failed["error"]
+        error = error.strip().splitlines()[-1][:200]
+        return [{"batch": batch, "row": name, "check": f"failed: {error}"} for name in LIBRARIES]
+    seconds = ranks[0]["seconds"]  # every rank's steps end at the same barrier
+    losses = [next((r["loss"][k] for r in ranks if r["loss"][k] is not None), None)
+              for k in range(2)]
+    low, ratio, high = _quartiles([f / t for f, t in zip(*seconds)])
     rows = []
-    for name, runs in (("fpipe.distributed one_f_one_b", fpipe_runs),
-                       ("torch Schedule1F1B", torch_runs)):
-        ms, ms_range = spread([r["seconds"] for r in runs], 1e3)
-        host = "/".join(f"{spread([r['host'][k] for r in runs], 1e3)[0]:.3g}"
-                        for k in range(WORLD))
-        rows.append({"batch": batch, "row": name, "step_ms": ms, "rounds_ms": ms_range,
-                     "fpipe/torch": ratio, "ratio_rounds": ratio_range, "host_ms": host,
-                     "check": check})
+    for k, name in enumerate(LIBRARIES):
+        q1, ms, q3 = _quartiles(seconds[k], 1e3)
+        host = "/".join(f"{_quartiles(r['host'][k], 1e3)[1]:.3g}" for r in ranks)
+        rows.append({"batch": batch, "row": name, "step_ms": round(ms, 2),
+                     "iqr_ms": f"{q1:.3g}-{q3:.3g}", "fpipe/torch": round(ratio, 3),
+                     "ratio_iqr": f"{low:.3f}-{high:.3f}", "host_ms": host,
+                     "check": _check(*losses)})
     return rows
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[16, 256])
-    p.add_argument("--rounds", type=int, help="rounds (5; 1 with --quick)")
-    p.add_argument("--steps", type=int, help="timed steps per row and round (10; 2 with --quick)")
+    p.add_argument("--pairs", type=int,
+                   help="timed pairs of steps per batch (200 at batch 16, 40 at 256; 2 with "
+                        "--quick)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    rounds = args.rounds or (1 if args.quick else 5)
-    steps = args.steps or (2 if args.quick else 10)
     if TORCH_PIPELINING_MISSING:
         report("fpipe.distributed 1F1B against Schedule1F1B", COLUMNS,
-               [{"batch": b, "row": "torch Schedule1F1B", "check": "not run"}
+               [{"batch": b, "row": LIBRARIES[1], "check": "not run"}
                 for b in args.batch], args.json, [TORCH_PIPELINING_MISSING])
         return
-    one_round = [partial(job, batch=b, steps=steps) for b in args.batch
-                 for job in (fpipe_job, torch_job)]
-    results = spawn_ranks(partial(run_jobs, timeout=120, strict=args.quick), WORLD,
-                          one_round * rounds, timeout=120 if args.quick else 600 * rounds,
-                          strict=args.quick)
-    merged = []
-    for j in range(len(one_round) * rounds):
-        each = [r if r is None or isinstance(r, dict) else r[j] for r in results]
-        merged.append(merge_ranks(each))
-        if "error" not in merged[-1]:
-            merged[-1]["host"] = [r["host"] for r in each]
+
+    def pairs(batch: int) -> int:
+        return args.pairs or (2 if args.quick else 200 if batch <= 64 else 40)
+
+    jobs = [partial(pairs_job, batch=b, pairs=pairs(b)) for b in args.batch]
+    results = spawn_ranks(partial(run_jobs, timeout=120, strict=args.quick), WORLD, jobs,
+                          timeout=120 if args.quick else 1200, strict=args.quick)
     rows = []
-    for i, batch in enumerate(args.batch):
-        per_round = [merged[k * len(one_round) + 2 * i: k * len(one_round) + 2 * i + 2]
-                     for k in range(rounds)]
-        rows += _rows(batch, [f for f, _ in per_round], [t for _, t in per_round])
+    for j, batch in enumerate(args.batch):
+        rows += _rows(batch, [r if r is None or isinstance(r, dict) else r[j] for r in results])
     report(f"fpipe.distributed 1F1B against torch Schedule1F1B: a transformer (embedding, 4 x "
            f"TransformerEncoderLayer({WIDTH}), head; sequence {SEQ}), {WORLD} ranks, gloo, "
            f"{CHUNKS} micro-batches, 1 intra-op thread per rank", COLUMNS, rows, args.json,
-           [f"{rounds} rounds of {steps} steps, rows interleaved (fpipe, torch per batch, "
-            f"each round); step_ms: median over rounds of each round's median; fpipe/torch: "
-            f"median over rounds of the round's ratio; ranges are min-max over rounds"])
+           ["the two libraries alternate step by step in the same ranks; step_ms: median step "
+            "(iqr_ms: its interquartile range); fpipe/torch: median over pairs of the pair's "
+            "ratio (ratio_iqr: its interquartile range); host_ms: median main-thread CPU time "
+            "per step, rank 0/rank 1"])
 
 
 if __name__ == "__main__":

@@ -388,12 +388,14 @@ class DistributedPipeline:
         if training:
             check_training()
         self.driver.calls += 1
-        n, seed_value = self.driver.agreed(x, target, call)
+        # Without replicas, stage 0's rank begins before its header is agreed (see header.py).
+        n, seed_value, posted = self.driver.agreed(
+            x, target, call, defer=self._results.data_parallel is None and self._sharded is None)
         replica = self._results.replica(n, self.chunks, training, self.stateful, carry,
                                         not accumulate)
         if self._sharded is not None:  # FSDP2's all-gather, once the step is agreed
             leaves = self.held.param_leaves(None, self._sharded.gather())
         step, channel = self.driver.faults.guarded(lambda: self.driver.new_step(
             program, training, call == 2, leaves, states, x, target, n, seed_value, record,
-            self.stateful))
+            self.stateful, posted))
         return step, channel, replica

@@ -47,11 +47,13 @@ class RankFaults:
         self.broken: BaseException | None = None
 
     def guarded(self, fn: Callable[[], Any]) -> Any:
-        """``fn()``; if it raises, every other rank is stopped first (unless already)."""
+        """``fn()``; if it raises, every other rank is stopped first (unless already, or
+        unless every rank raises the same error by itself: a step's header refusing a bad
+        batch, :func:`~fpipe._runtime.ranks.header.agreed_by_all`)."""
         try:
             return fn()
         except BaseException as exc:
-            if self.broken is None:
+            if self.broken is None and not getattr(exc, "fpipe_agreed", False):
                 self.stop_everyone(exc)
             raise
 

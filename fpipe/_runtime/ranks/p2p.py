@@ -42,7 +42,9 @@ import torch
 
 from fpipe._runtime.autodiff import Value
 from fpipe._runtime.ranks.faults import RankFaults
+from fpipe._runtime.ranks.header import Header, agreed_by_all
 from fpipe._runtime.ranks.links import pair_rank
+from fpipe._runtime.ranks.loss import LossBroadcast
 from fpipe._runtime.workers import Aborted
 from fpipe.errors import PeerError, StageError
 from fpipe.schedules.actions import Op
@@ -85,12 +87,18 @@ def send_orders(plan: tuple, owners: Sequence[int], stashes: Sequence[tuple[str,
 class _Known:
     """What both ends know of a key after a step: the value's meta, the next size, and where
     the meta's leaves lie in a message without the meta (``layout``: offsets and end, the
-    steady state's, worked out once per meta rather than at every message)."""
+    steady state's, worked out once per meta rather than at every message). On a sender whose
+    wire is the CPU, ``message`` is the steady message itself, kept from step to step with its
+    prefix written and ``views`` of its tensor leaves, so a steady send only copies the leaves
+    in: the step's end completed the last send of it (:meth:`RankChannel.flush`), and no one
+    else holds it."""
 
-    __slots__ = ("meta", "size", "layout")
+    __slots__ = ("meta", "size", "layout", "message", "views")
 
     def __init__(self, meta: tuple, size: int, layout: tuple[list, int]) -> None:
         self.meta, self.size, self.layout = meta, size, layout
+        self.message: torch.Tensor | None = None
+        self.views: list = []
 
 
 class Routes(NamedTuple):
@@ -118,20 +126,55 @@ class RankChannel:
     completed by :meth:`flush`; receives posted ahead, read in each link's order, keeping values
     that came early. ``known`` is the pipeline's ``{key: _Known}``, kept from step to step.
     ``rank`` and ``owners`` are workers; ``ranks[w]`` is worker ``w``'s global rank, which the
-    messages name and ``torch.distributed`` is given."""
+    messages name and ``torch.distributed`` is given.
+
+    Nothing is exchanged before the step's first message, which :meth:`opened` begins: the
+    ``header`` the rank of stage 0 posted without waiting is agreed first (a refusal stops
+    this rank's step there, before it sent or received anything), then the ``loss``
+    broadcast and the receives are posted. Posting them at the first message, not when the
+    step is set up, keeps their host time off the path to the step's first forward."""
 
     def __init__(self, rank: int, owners: Sequence[int], routes: Routes, links: dict,
                  faults: RankFaults, wire: torch.device, known: dict,
-                 ranks: Sequence[int]) -> None:
+                 ranks: Sequence[int], header: Header | None, loss: LossBroadcast) -> None:
         self.rank, self.owners, self.links, self.faults = rank, owners, links, faults
         self.ranks = ranks
         self.wire, self.known = wire, known
+        self.header, self.loss = header, loss
+        self.open = False
+        self.refused: BaseException | None = None
         self.arrived: dict[tuple, Any] = {}
         self.sending: list[tuple[Any, torch.Tensor, int, tuple]] = []
         self.positions, self.source = routes.positions, routes.source
         # Per incoming link: the keys still to post, and the receives posted (key, buffer, work).
         self.expected = {src: deque(keys) for src, keys in routes.incoming.items()}
         self.posted: dict[int, deque] = {src: deque() for src in self.expected}
+
+    def opened(self) -> BaseException | None:
+        """Begin the step's messages, once (see the class docstring); returns what refused
+        the step, if anything: a bad input or target (every rank raises it alike, the
+        pipeline runs on) or ranks called out of step."""
+        if self._agreed() is None and not self.open:
+            self._begin()
+        return self.refused
+
+    def _agreed(self) -> BaseException | None:
+        """The header's outcome, read once: what refused the step, or ``None``."""
+        posted, self.header = self.header, None
+        if posted is not None:
+            try:
+                refused = posted.outcome()[2]
+            except Exception as exc:  # noqa: BLE001 - raised by the driver, which stops all
+                refused = exc
+            else:
+                refused = None if refused is None else agreed_by_all(refused)
+            self.refused = refused
+        return self.refused
+
+    def _begin(self) -> None:
+        self.open = True
+        if self.loss.early and not self.loss.held:
+            self.loss.post(None)
         for src in self.expected:
             self._post(src)
 
@@ -144,10 +187,25 @@ class RankChannel:
             self.arrived[key] = leaves if like is None else Value(leaves, like.spec,
                                                                   like.grad_index)
             return
+        if not self.open and self._agreed() is not None:
+            raise Aborted  # the driver raises the refusal; nothing was sent, nothing known
         meta = (None if like is None else like.spec, None if like is None else like.grad_index,
                 tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor)
                       else (None, leaf) for leaf in leaves))
+        values, grown = self.links[self.rank, dst]
         known = self.known.get(key)
+        if known is not None and known.message is not None and _same(known.meta, meta):
+            _fill(known.views, leaves)  # the steady state: the kept message, refilled
+            self._isend(known.message, dst, values, key)
+        else:
+            self._send_new(leaves, dst, key, meta, known, values, grown)
+        if not self.open:  # the step's first message is out: now the rest of its begin
+            self._begin()
+
+    def _send_new(self, leaves: list, dst: int, key: tuple, meta: tuple, known: _Known | None,
+                  values: Any, grown: Any) -> None:
+        """A message made for this send: the first of a key, a changed meta, or a wire whose
+        steady messages are not kept (see :class:`_Known`)."""
         announced = _PREFIX if known is None else known.size
         if known is not None and _same(known.meta, meta):
             blob, layout = b"", known.layout
@@ -157,21 +215,22 @@ class RankChannel:
             offsets, end = _layout(meta[2], _aligned(_PREFIX + len(blob)))
         steady = layout[1]
         following = announced if steady <= announced <= 2 * steady else steady
-        self.known[key] = _Known(meta, following, layout)
-        values, grown = self.links[self.rank, dst]
+        known = self.known[key] = _Known(meta, following, layout)
         position = self.positions[key]
         if end <= announced:
-            message = _packed(announced, self.wire, (META if blob else SAME, position,
-                                                     len(blob), following), blob, offsets,
-                              leaves)
+            message, views = _packed(announced, self.wire, (META if blob else SAME, position,
+                                                            len(blob), following), blob,
+                                     offsets, leaves)
+            if not blob and self.wire.type == "cpu" and announced == following:
+                known.message, known.views = message, views  # kept: see _Known
             self._isend(message, dst, values, key)
             return
         notice = torch.zeros(announced, dtype=torch.uint8, device=self.wire)
         notice[:40].view(torch.int64).copy_(torch.tensor([GROWN, position, len(blob),
                                                           following, end]))
         self._isend(notice, dst, values, key)
-        message = _packed(end, self.wire, (META, position, len(blob), following), blob,
-                          offsets, leaves)
+        message, _ = _packed(end, self.wire, (META, position, len(blob), following), blob,
+                             offsets, leaves)
         self._isend(message, dst, grown, key)
 
     def _isend(self, message: torch.Tensor, dst: int, group: Any, key: tuple) -> None:
@@ -196,6 +255,8 @@ class RankChannel:
     # -- receiving -----------------------------------------------------------------------------
 
     def receive(self, key: tuple, device: torch.device) -> Any:
+        if not self.open and self.opened() is not None:
+            raise Aborted  # the driver raises the refusal
         while key not in self.arrived:
             self._read_next(self.source[key], key)
         value = self.arrived.pop(key)
@@ -296,18 +357,25 @@ def _numel(shape: tuple) -> int:
 
 
 def _packed(size: int, wire: torch.device, words: tuple, blob: bytes, offsets: list,
-            leaves: list) -> torch.Tensor:
-    """A message of ``size`` bytes: the prefix words, the meta ``blob``, the tensor leaves."""
+            leaves: list) -> tuple[torch.Tensor, list]:
+    """A message of ``size`` bytes: the prefix words, the meta ``blob``, the tensor leaves;
+    and the views of its tensor leaves (``None`` for a leaf that is not a tensor)."""
     message = torch.empty(size, dtype=torch.uint8, device=wire)
     message[:8 * len(words)].view(torch.int64).copy_(torch.tensor(words))
     if blob:
         message[_PREFIX:_PREFIX + len(blob)].copy_(torch.frombuffer(bytearray(blob),
                                                                      dtype=torch.uint8))
-    for offset, leaf in zip(offsets, leaves):
-        if offset is not None:  # (a leaf that requires grad is copied as data only)
-            _view(message, offset, tuple(leaf.shape), leaf.dtype).copy_(
-                leaf.detach() if leaf.requires_grad else leaf)
-    return message
+    views = [None if offset is None else _view(message, offset, tuple(leaf.shape), leaf.dtype)
+             for offset, leaf in zip(offsets, leaves)]
+    _fill(views, leaves)
+    return message, views
+
+
+def _fill(views: list, leaves: list) -> None:
+    """Copy each tensor leaf into its view (a leaf that requires grad as data only)."""
+    for view, leaf in zip(views, leaves):
+        if view is not None:
+            view.copy_(leaf.detach() if leaf.requires_grad else leaf)
 
 
 def _view(buffer: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
