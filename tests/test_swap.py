@@ -62,6 +62,19 @@ def test_a_module_changed_since_the_last_call_is_read_again():
         swap(tensors, (x,))
 
 
+def test_a_module_whose_tables_were_replaced_is_read_again():
+    """Same names in a new dict (a library rebuilding ``_parameters`` or ``_buffers``): the
+    given tensors must reach the new dict, not the one first read, which the module no longer
+    uses (the module's own tensors would then be used, silently)."""
+    module, x = model(), torch.randn(5, 4)
+    swap = Swap(module)
+    swap(others(module), (x,))
+    module[0]._parameters = dict(module[0]._parameters)
+    tensors = others(module)
+    assert torch.equal(swap(tensors, (x,)), functional_call(module, tensors, (x,)))
+    assert not torch.equal(swap(tensors, (x,)), module(x))
+
+
 def test_what_only_functional_call_does_goes_through_it():
     module, x = model(), torch.randn(5, 4)
     tensors = others(module)

@@ -133,9 +133,10 @@ def _takes_params(module: torch.nn.Module) -> bool:
 def nonfinite_error(losses: torch.Tensor) -> NonFiniteLossError | None:
     """The error for a step whose micro-batch losses (a 1-d tensor) are not all finite; one
     host synchronisation on CUDA."""
-    bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
-    if not bad:
+    finite = torch.isfinite(losses)
+    if finite.all():  # the common case: one reduction, no list
         return None
+    bad = (~finite).nonzero().flatten().tolist()
     return NonFiniteLossError(
         f"the loss is not finite on micro-batch(es) {bad} (values "
         f"{[losses[m].item() for m in bad]}); no gradient was returned. Build the pipeline with "

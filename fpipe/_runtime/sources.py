@@ -95,6 +95,9 @@ def hooked_by_stage(grads: Mapping[int, Any], params: Mapping[int, Any],
     """:func:`hooked` on a rank's ``{stage: gradient pytree}`` (``fpipe.distributed``), with
     ``params`` its ``{stage: parameter pytree}`` and ``sources`` per stage of the pipeline."""
     held = sorted(grads)
+    if not any(_hooks(leaf) for s in held for leaf in optree.tree_leaves(params[s])) and \
+            not any(_hooks(source) for s in held for source in sources[s] or ()):
+        return dict(grads)  # no hook anywhere (the common case): nothing to run
     flat = [optree.tree_flatten(grads[s], none_is_leaf=True) for s in held]
     through = hooked([leaves for leaves, _ in flat], [optree.tree_leaves(params[s]) for s in held],
                      [sources[s] for s in held])

@@ -55,7 +55,15 @@ class Header:
     def outcome(self) -> tuple[int, int, BatchError | None]:
         """The agreed ``(n, seed, error)``: ``error`` a bad input or target (every rank gets
         it, to raise alike, the rank that holds it with the details). Ranks called
-        differently raise here (out of step, they stop)."""
+        differently raise here (out of step, they stop).
+
+        A rank about to wait says so in the store first (:meth:`RankFaults.arrive`), so that
+        one waiting in vain can name the ranks that never came (:meth:`RankFaults.late`). A
+        header already summed needs no record, since every rank came: so a step whose header
+        is in before it is read (stage 0's, read after its first forward) makes no round trip
+        to the store, which may be on another machine."""
+        if not self.work.is_completed():
+            self.faults.arrive(self.mine[1])
         self.faults.wait(self.work, lambda: f"every rank of the pipeline to start call "
                                             f"{self.mine[1]} (its header)",
                          self.first_rank, late=self.late)
@@ -96,8 +104,6 @@ def post(x: Any, target: Any, seed: int, call: int, calls: int, worker: int,
         words[5] = _size(target, "target", errors) + 1
         words[6] = _status(target, "target", errors)
     work, rows = _summing(words, group, len(ranks), backend, wire)
-    # Recorded once the header is on its way: the store's round trip overlaps it.
-    faults.arrive(calls)
     return Header(work, rows, words, errors, mine, (ranks[first], ranks[last]), faults,
                   lambda: faults.late(ranks, calls))
 
