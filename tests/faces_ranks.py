@@ -12,7 +12,7 @@ from models import block, mlp_params, mse
 from torch import nn
 
 import fpipe.distributed as fdist
-from fpipe.schedules import one_f_one_b
+from fpipe.schedules import one_f_one_b, zero_bubble_v
 
 
 def cursed(p, x):
@@ -97,3 +97,18 @@ def faces(rank: int, world: int) -> dict:
         return x if rank == 0 else None, target if rank == 1 else None
 
     return run(build, args, lambda trees: {s: t for s, t in enumerate(trees) if s == rank})
+
+
+def v_target(rank: int, world: int) -> dict:
+    """A V-shaped pipeline (rank 0 holds stage 0 and the last stage, so the input and the
+    target): targets whose batch differs from the input's, then a good step."""
+    schedule = zero_bubble_v(chunks=2)
+    held = fdist.my_stages(schedule, 4)
+    full, (x, target) = mlp_params(4), data(8, 8, seed=41)
+    out = {}
+    with fdist.pipeline([block] * 4, {s: full[s] for s in held}, schedule=schedule,
+                        loss_fn=mse, timeout=20) as pipe:
+        for name, given in (("one", target[:1]), ("six", target[:6]), ("good", target)):
+            out[name] = _outcome(lambda given=given: pipe.value_and_grad(
+                x if rank == 0 else None, given if rank == 0 else None)[0])
+    return out

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_ranks import spawn
+from distributed_ranks import data, spawn
 from faces_ranks import run
+from models import block, mlp_params, mse
 
 import fpipe
 from fpipe.schedules import one_f_one_b
@@ -94,6 +95,26 @@ def test_an_input_or_target_without_one_batch_size_stops_every_rank_alike(faces,
     for result in (local, *ranks):
         assert result["bad batch after"][0] == "ok", result["bad batch after"]
 
+
+
+def test_a_target_of_another_batch_on_the_rank_of_stage_0_is_refused_alike():
+    """Stage 0's rank begins computing before the step's header is agreed, unless what it
+    holds is wrong: here it also holds the last stage's target, of another batch than the
+    input's. Every rank raises the same BatchError (not a micro-batching error of that rank's
+    own), and the pipeline runs on with the plain loss."""
+    results, codes = spawn("faces_ranks:v_target", 2, timeout=120)
+    assert codes == [0, 0], results
+    for name, n in (("one", 1), ("six", 6)):
+        expected = ("error", "BatchError", f"the input has 8 samples but the target has {n}")
+        assert results[0][name] == results[1][name] == expected, (name, results)
+    x, target = data(8, 8, seed=41)
+    params = mlp_params(4)
+    y = x
+    for p in params:
+        y = block(p, y)
+    assert results[0]["good"][0] == "ok" and results[1]["good"][0] == "ok"
+    torch.testing.assert_close(results[0]["good"][1], mse(y, target), rtol=1e-12, atol=0)
+    torch.testing.assert_close(results[1]["good"][1], mse(y, target), rtol=1e-12, atol=0)
 
 
 def test_a_cut_models_hooks_and_late_freeze_apply_in_both_faces(faces):
