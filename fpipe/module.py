@@ -22,6 +22,7 @@ from fpipe._gpipe.run import Pipelines, Run, check_input, microbatches, recomput
 from fpipe._runtime.engine import check_untransformed
 from fpipe.stages.batchnorm import DeferredBatchNorm
 from fpipe.stages.module_skip import verify_skippables
+from fpipe.stages.swap import Swap
 
 __all__ = ["GPipe"]
 
@@ -67,13 +68,12 @@ class GPipe(nn.Module):
         self._pipelines = Pipelines()
 
     def forward(self, input: Any) -> Any:
-        params = [dict(p.named_parameters()) for p in self.partitions]
+        params, buffers = self._named_tensors()
         check_untransformed("fpipe.GPipe's forward", input, params=params)
         check_input(input)
         if not self.partitions:
             return input  # an empty nn.Sequential: the identity, as in torchgpipe
         m = microbatches(input, self.chunks)
-        buffers = [dict(p.named_buffers()) for p in self.partitions]
         state = buffers
         if torch.is_inference_mode_enabled() or not self._needs_grad(input, params):
             # Nothing could need a backward (no_grad, or nothing requires grad), in training
@@ -122,6 +122,23 @@ class GPipe(nn.Module):
                 args and isinstance(args[0], (torch.device, int, str, torch.Tensor))):
             raise _moving_denied()
         return super().to(*args, **kwargs)
+
+    def _named_tensors(self) -> tuple[list[dict], list[dict]]:
+        """Each partition's ``dict(named_parameters())`` and ``dict(named_buffers())``, as of
+        now, without walking the partitions at every call where their structure is as it was
+        (:meth:`fpipe.stages.swap.Swap.named`): on a model of 800 tensors the two walks cost
+        more than the rest of the face's per-call work."""
+        readers = self.__dict__.get("_readers")
+        if readers is None or [r.module for r in readers] != list(self.partitions):
+            readers = self.__dict__["_readers"] = [Swap(p) for p in self.partitions]
+        params, buffers = [], []
+        for reader, partition in zip(readers, self.partitions):
+            named = reader.named()
+            if named is None:
+                named = dict(partition.named_parameters()), dict(partition.named_buffers())
+            params.append(named[0])
+            buffers.append(named[1])
+        return params, buffers
 
     @staticmethod
     def _needs_grad(input: Any, params: list[dict[str, torch.Tensor]]) -> bool:

@@ -4,6 +4,10 @@ A recompute must rebuild exactly what its forward computed, so a stage with side
 (counting, logging, caching) can skip them while this is true. ``is_checkpointing()`` is true
 in the forward a recompute will repeat (its activations are dropped), as torchgpipe's is. The
 flags are per thread, since each worker of the local driver runs on its own thread.
+
+One more flag is the runtime's own: :func:`state_owned` is true in a stateful stage's call
+whose state no one else holds (made earlier in the step, and neither the caller's nor kept for
+a recompute), which the stage may therefore update in place instead of copying first.
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ def is_checkpointing() -> bool:
     """True while the calling thread runs a training forward whose activations are dropped, to
     be rebuilt by a recompute before the backward."""
     return getattr(_flag, "checkpointing", False)
+
+
+def state_owned() -> bool:
+    """True while the calling thread runs a stage call whose state it may update in place: the
+    runtime made that state earlier in the step and holds it nowhere else (see
+    :func:`owning_state`)."""
+    return getattr(_flag, "owned", False)
+
+
+def owning_state() -> contextlib.AbstractContextManager[None]:
+    return _raised("owned")
 
 
 def recomputing() -> contextlib.AbstractContextManager[None]:

@@ -3,6 +3,8 @@ recomputes, returned once per mini-batch."""
 
 from __future__ import annotations
 
+import copy
+
 import optree
 import pytest
 import torch
@@ -111,6 +113,79 @@ def test_batchnorm_matches_the_plain_module_run_per_microbatch(remat):
         for name in ("1.running_mean", "1.running_var"):
             torch.testing.assert_close(new_state[s][name], expected_state[s][name])
             assert not torch.equal(new_state[s][name], state[s][name])  # the input is unchanged
+
+
+@pytest.mark.parametrize("schedule", [gpipe(chunks=3, remat="always"),
+                                      gpipe(chunks=3, remat="except_last"),
+                                      gpipe(chunks=3, remat="never"),
+                                      one_f_one_b(chunks=3, remat="always")])
+def test_module_stages_update_running_stats_as_plain_pytorch_and_leave_the_callers(schedule):
+    """Stages cut from a model with BatchNorm (``from_sequential``): the step's own running
+    statistics are updated where they are (no copy) once the step made them, never the
+    caller's nor those a forward keeps for its recompute. The new state equals the plain
+    model fed the micro-batches one by one; the caller's buffers are bitwise as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).double()
+    s = fpipe.stages.from_sequential(model, [3, 2], stateful=True)
+    given = [{k: v.clone() for k, v in st.items()} for st in s.state]
+    x, target = torch.randn(9, 8, dtype=torch.float64), torch.randn(9, 8, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    for xm in x.tensor_split(3):
+        plain(xm)
+    expected = dict(plain.named_buffers())
+    with fpipe.pipeline(s.stages, s.params, state=s.state, schedule=schedule,
+                        loss_fn=mse) as pipe:
+        _, _, new_state = pipe.value_and_grad(x, target)
+    for before, now in zip(given, s.state):
+        assert all(torch.equal(before[k], now[k]) for k in before)
+    for stage, st in enumerate(s.state):  # (stages keep the model's names here)
+        assert sorted(st) == sorted(f"{3 * stage + 1}.{b}" for b in (
+            "running_mean", "running_var", "num_batches_tracked"))
+        for name in st:
+            torch.testing.assert_close(new_state[stage][name], expected[name], rtol=0,
+                                       atol=1e-15)
+
+
+class _Scaled(torch.nn.Module):
+    """A buffer the forward multiplies in place, then uses where autograd saves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.mul_(1.5)
+        return x * self.scale
+
+
+@pytest.mark.parametrize("remat", ["never", "except_last"])
+def test_a_buffer_other_than_running_stats_is_copied_for_every_micro_batch(remat):
+    """Only normalisation statistics are updated where they are: another buffer that a call
+    saves for its backward and the next call writes is copied for each micro-batch (updated in
+    place, the first micro-batch's backward would read the third's value, or fail)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Scaled()).double()
+    s = fpipe.stages.from_sequential(model, [1, 1], stateful=True)
+    x, target = torch.randn(9, 8, dtype=torch.float64), torch.randn(9, 8, dtype=torch.float64)
+
+    def reference(p):
+        total, scale = 0.0, torch.ones(8, dtype=torch.float64)
+        for xm, tm in zip(x.tensor_split(3), target.tensor_split(3)):
+            scale = scale * 1.5
+            local = {name.split(".", 1)[1]: t for name, t in p.items()}  # "0.weight" ->
+            total = total + mse(functional_call(model[0], local, (xm,)) * scale, tm) * len(xm) / 9
+        return total
+
+    expected_loss = reference(s.params[0])
+    expected = torch.func.grad(reference)(s.params[0])
+    with fpipe.pipeline(s.stages, s.params, state=s.state, schedule=gpipe(chunks=3, remat=remat),
+                        loss_fn=mse) as pipe:
+        loss, grads, new_state = pipe.value_and_grad(x, target)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=0)
+    assert_trees_close(grads[0], expected)
+    torch.testing.assert_close(new_state[1]["1.scale"],
+                               torch.full((8,), 1.5 ** 3, dtype=torch.float64))
 
 
 def test_state_needs_forwards_in_microbatch_order():

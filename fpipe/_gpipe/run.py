@@ -151,16 +151,19 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 class Pipelines:
-    """The face's pipelines, one per (micro-batches, remat), built on first use. Copied or
-    pickled with the module, it starts empty (a pipeline holds threads and locks)."""
+    """The face's pipelines, one per (micro-batches, remat, the partitions' tensor names),
+    built on first use: a model changed between calls (a bias set to ``None``, two weights
+    tied, a buffer registered) gets a pipeline of its new structure, as a face built after the
+    change would. Copied or pickled with the module, it starts empty (a pipeline holds threads
+    and locks)."""
 
     def __init__(self) -> None:
-        self.built: dict[tuple[int, str], Pipeline] = {}
+        self.built: dict[tuple, Pipeline] = {}
         self.stages: list | None = None
 
     def get(self, partitions: nn.ModuleList, devices: list[torch.device], microbatches: int,
             remat: str, params: list, state: list) -> Pipeline:
-        key = (microbatches, remat)
+        key = (microbatches, remat, tuple(map(tuple, params)), tuple(map(tuple, state)))
         if key not in self.built:
             if self.stages is None:
                 model = tensor_names({f"partition {j}'s ": p for j, p in enumerate(partitions)})

@@ -20,6 +20,7 @@ from fpipe._runtime.split_backward import split_vjp
 from fpipe._runtime.values import Value, check_output, describe, flatten, placed
 from fpipe._runtime.vjp import autograd_vjp, func_vjp
 from fpipe.errors import StageError
+from fpipe.recompute import state_owned
 
 __all__ = ["StageCall", "Value", "flatten", "check_output", "describe", "ENGINES"]
 
@@ -68,7 +69,7 @@ class StageCall:
         in-projection is one ``mm`` when the weight requires grad, a ``bmm`` over the sequence
         when not). So a dropped forward computes bit for bit what its recompute computes, and
         costs what it costs."""
-        watch = _Watch(self, params, state, inputs)
+        watch = _Watch(self, params, _watched(state), inputs)
         leaves = params if requiring is None else requiring
         trees = tuple(_requiring(value) if self.grad_input else value.tree()
                       for value in inputs)
@@ -123,7 +124,7 @@ class StageCall:
             return grads, aux
 
         # Autograd itself refuses writes into the differentiated leaves: watch the others.
-        watch = _Watch(self, params, state, inputs, index)
+        watch = _Watch(self, params, _watched(state), inputs, index)
         try:
             x = inputs[0]
             differentiated = x.leaves if len(inputs) == 1 and len(index[0]) == len(x.leaves) \
@@ -175,6 +176,12 @@ class StageCall:
             for what, out in zip(self.outputs_named, outs):
                 check_output(out, size, what)
         return outs
+
+
+def _watched(state: Any) -> Any:
+    """The state whose tensors a call must leave as they are: none where the step owns it (see
+    :func:`~fpipe.recompute.state_owned`)."""
+    return None if state_owned() else state
 
 
 def _signature(inputs: tuple[Value, ...]) -> tuple:

@@ -99,6 +99,8 @@ class Step:
                  context: ThreadState | None = None) -> None:
         self.params = params
         self.state = list(state)
+        # The caller's state, per stage: a call given it may not update it in place.
+        self.given_state = list(state)
         self.inputs = inputs
         # What each micro-batch's stage calls know of it (size, target, loss weight).
         self.batch = [MicroBatch(size, None if targets is None else targets[m], weights[m])

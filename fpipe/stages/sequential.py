@@ -16,7 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
+from fpipe.recompute import state_owned
 from fpipe.stages.materialize import Init, place_stages
 from fpipe.stages.module_skip import _Routed, route_module_skips
 from fpipe.stages.naming import Tie, find_ties, model_names, module_names
@@ -91,10 +93,30 @@ class StatefulModuleStage(ModuleStage):
     the driver replay a forward from the state it saw. A buffer the module reassigns
     (``self.steps = self.steps + 1``, in any submodule) is returned as reassigned, as plain
     PyTorch keeps it.
+
+    One exception: a normalisation layer's running statistics (``BatchNorm``, ``InstanceNorm``
+    with ``track_running_stats``) in a call whose state the step made and holds nowhere else
+    (:func:`~fpipe.recompute.state_owned`: not the caller's, not kept for a recompute) are
+    updated where they are, as plain PyTorch updates a module's. Nothing else could see the
+    write, and no backward reads them after it (training writes them without a new version and
+    differentiates through the batch's statistics; evaluation does not write them). A model of
+    many BatchNorms otherwise spent most of its per-call host time on these clones
+    (``benchmarks/amoeba.py``: 360 buffers a call). Other buffers are always cloned: a module
+    may save one for its backward and write it in the next micro-batch's call.
     """
 
+    def __init__(self, module: nn.Module, model: TensorNames | None = None,
+                 ties: tuple[Tie, ...] = ()) -> None:
+        super().__init__(module, model, ties)
+        self.running = frozenset(
+            f"{prefix}.{name}" if prefix else name
+            for prefix, m in module.named_modules(remove_duplicate=False)
+            if isinstance(m, _NormBase) for name in m._buffers)
+
     def __call__(self, params: Tensors, state: Tensors, x: Any) -> tuple[Any, Tensors]:
-        tensors = {name: buffer.clone() for name, buffer in state.items()}
+        shared = self.running if state_owned() else ()
+        tensors = {name: buffer if name in shared else buffer.clone()
+                   for name, buffer in state.items()}
         if params.keys() & tensors.keys():  # functional_call's error for a name given twice
             return torch.func.functional_call(self.module, (params, tensors), (x,)), tensors
         tensors.update(params)

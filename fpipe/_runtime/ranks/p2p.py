@@ -221,8 +221,9 @@ class RankChannel:
             message, views = _packed(announced, self.wire, (META if blob else SAME, position,
                                                             len(blob), following), blob,
                                      offsets, leaves)
-            if not blob and self.wire.type == "cpu" and announced == following:
-                known.message, known.views = message, views  # kept: see _Known
+            if not blob and self.wire.type == "cpu":  # kept: see _Known. (Its meta as known,
+                # so is its size: ``following`` equals ``announced`` and every later send.)
+                known.message, known.views = message, views
             self._isend(message, dst, values, key)
             return
         notice = torch.zeros(announced, dtype=torch.uint8, device=self.wire)
