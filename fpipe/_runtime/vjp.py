@@ -56,11 +56,11 @@ _HOOKS = ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tenso
           "Please open an issue with your use case.")
 
 
-def run_backward(outs: list, cotangents: list, inputs: list, accumulate: bool = False
-                 ) -> tuple | None:
+def run_backward(outs: list, cotangents: list, inputs: list, accumulate: bool = False,
+                 keep_graph: bool = False) -> tuple | None:
     """The gradients of ``inputs`` given the ``cotangents`` of ``outs`` (``None`` where an
     input is not reached), or with ``accumulate``, nothing: the gradients are added into the
-    inputs' ``.grad``. The graph is freed."""
+    inputs' ``.grad``. The graph is freed, unless ``keep_graph``."""
     fit = _engine_run_backward is not None
     for o, c in zip(outs, cotangents):  # what torch.autograd.grad's checks would pass (the
         # engine checks dtypes and devices itself): plain tensors of the outputs' shapes
@@ -68,13 +68,14 @@ def run_backward(outs: list, cotangents: list, inputs: list, accumulate: bool = 
             fit = False
             break
     if fit:
-        grads = _engine_run_backward(tuple(outs), tuple(cotangents), False, False,
+        grads = _engine_run_backward(tuple(outs), tuple(cotangents), keep_graph, False,
                                      tuple(inputs), True, accumulate_grad=accumulate)
         return None if accumulate else grads
     if accumulate:
-        torch.autograd.backward(outs, cotangents, inputs=inputs)
+        torch.autograd.backward(outs, cotangents, inputs=inputs, retain_graph=keep_graph)
         return None
-    return torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
+    return torch.autograd.grad(outs, inputs, cotangents, allow_unused=True,
+                               retain_graph=keep_graph)
 
 
 def _zeros_for_none(grads: tuple | list, like: list) -> list:
