@@ -75,6 +75,37 @@ def test_a_module_whose_tables_were_replaced_is_read_again():
     assert not torch.equal(swap(tensors, (x,)), module(x))
 
 
+class _Shifted(nn.Module):
+    """``x @ weight.T`` plus a parameter named ``bias``, or, once renamed, ``shift``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = self.bias if "bias" in self._parameters else self.shift
+        return x @ self.weight.T + offset
+
+
+def test_a_name_replaced_by_another_is_read_again():
+    """A parameter renamed after a call (as many names as before, one of them new): the old
+    names are refused as functional_call refuses them, and the new ones reach the module, not
+    its own tensor under the new name."""
+    module, x = _Shifted(), torch.randn(5, 4)
+    swap = Swap(module)
+    swap(others(module), (x,))
+    old = others(module)
+    shift = module.bias
+    del module.bias
+    module.register_parameter("shift", shift)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        swap(old, (x,))
+    tensors = others(module)
+    assert torch.equal(swap(tensors, (x,)), functional_call(module, tensors, (x,)))
+    assert not torch.equal(swap(tensors, (x,)), module(x))
+
+
 def test_what_only_functional_call_does_goes_through_it():
     module, x = model(), torch.randn(5, 4)
     tensors = others(module)
