@@ -9,8 +9,10 @@ autograd) weighs against little arithmetic, so this is where a per-parameter cos
 model here has that shape: a stem, 22 cells of separable convolutions with BatchNorm (36 or 40
 tensors each) and a head, 24 layers and 841 tensors; the same model and batch run through both
 faces, one training step (forward, backward) per call, with torch at ``--threads`` threads
-(default 1). Rows alternate between the faces (A, B, A, B ...); the table gives each face's
-median and its spread (the fastest and slowest call) and fpipe's median over torchgpipe's.
+(default 1). Rows alternate between the faces (A, B, B, A ...); the table gives each face's
+median and its spread (the fastest and slowest call), and the median over pairs of fpipe's
+time over torchgpipe's with its interquartile range (a shared machine's slow second falls on
+both faces of a pair alike, where the ratio of two medians moved by 0.1 from run to run).
 """
 
 from __future__ import annotations
@@ -75,27 +77,35 @@ def main() -> None:
         steps[name] = step
     tensors = len(list(amoeba_like(16, units).parameters()))
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeat):
-        for name, step in steps.items():  # interleaved: A, B, A, B ...
+    for i in range(repeat):
+        # interleaved, each pair's order alternating: A, B, B, A, A, B ...
+        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
             start = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append(time.perf_counter() - start)
     rows = []
     for name, spent in times.items():
-        spent.sort()
+        ordered = sorted(spent)
         rows.append({"face": name, "tensors": tensors, "threads": args.threads,
-                     "median_ms": round(spent[len(spent) // 2] * 1e3, 1),
-                     "fastest_ms": round(spent[0] * 1e3, 1),
-                     "slowest_ms": round(spent[-1] * 1e3, 1)})
+                     "median_ms": round(ordered[len(ordered) // 2] * 1e3, 1),
+                     "fastest_ms": round(ordered[0] * 1e3, 1),
+                     "slowest_ms": round(ordered[-1] * 1e3, 1)})
     if "torchgpipe" in times:
-        base = rows[-1]["median_ms"]
+        # each pair's ratio (a slow second on the shared machine falls on both faces alike),
+        # its median and interquartile range
+        ratios = sorted(f / t for f, t in zip(times["fpipe"], times["torchgpipe"]))
+        n = len(ratios)
         for row in rows:
-            row["vs_torchgpipe"] = round(row["median_ms"] / base, 2)
+            fpipe_row = row["face"] == "fpipe"
+            row["vs_torchgpipe"] = round(ratios[n // 2], 3) if fpipe_row else 1
+            row["ratio_iqr"] = f"{ratios[n // 4]:.3f}-{ratios[(3 * n) // 4]:.3f}" \
+                if fpipe_row else "-"
     report(f"fpipe.GPipe vs torchgpipe, 24 layers of {tensors} parameter tensors, batch "
            f"{args.batch} in {args.chunks} chunks, 2 partitions",
            list(rows[0]), rows, args.json,
-           notes=["one training step per call (forward, sum, backward); "
-                  "rows interleaved between faces"])
+           notes=["one training step per call (forward, sum, backward); rows interleaved "
+                  "between faces, each pair's order alternating; vs_torchgpipe: the median over "
+                  "pairs of the pair's ratio (ratio_iqr: its interquartile range)"])
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ class Mutant:
 MUTANTS = (
     # -- frozen and unused parameters, torch.func transforms (issue 29) -------------------------
     Mutant("a frozen nn.Parameter differentiated", "_runtime/values.py",
-           "return isinstance(leaf, torch.nn.Parameter) and not leaf.requires_grad",
-           "return False", ("tests/test_frozen.py",)),
+           "return not getattr(leaf, \"requires_grad\", True) and isinstance(leaf, "
+           "torch.nn.Parameter)", "return False", ("tests/test_frozen.py",)),
     Mutant("an unused parameter's gradient made zeros", "_runtime/vjp.py",
            "return list(grads[:n]), _zeros_for_none(grads[n:], inputs)",
            "return _zeros_for_none(grads[:n], params), _zeros_for_none(grads[n:], inputs)",

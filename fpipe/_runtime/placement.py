@@ -30,8 +30,14 @@ def device_of(device: torch.device | str) -> torch.device:
 
 def check_params(params: Mapping[int, Any],
                  devices: Mapping[int, torch.device] | Sequence[torch.device]) -> None:
-    """Every leaf of ``params[s]`` is a tensor on ``devices[s]``; errors name the leaf."""
+    """Every leaf of ``params[s]`` is a tensor on ``devices[s]``; errors name the leaf. (Each
+    tree is first checked whole, cheaply; only a tree that fails is walked again with paths,
+    for the message: a face checks its parameters at every call.)"""
     for s, tree in params.items():
+        if all(isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+               for leaf in optree.tree_leaves(tree)):
+            _check_devices(s, tree, devices[s], "params", "parameter")
+            continue
         paths, leaves, _ = optree.tree_flatten_with_path(tree)
         for path, leaf in zip(paths, leaves):
             if not isinstance(leaf, torch.Tensor):
@@ -53,6 +59,9 @@ def check_state(state: Mapping[int, Any],
 
 
 def _check_devices(stage: int, tree: Any, device: torch.device, name: str, what: str) -> None:
+    found = {leaf.device for leaf in optree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)}
+    if all(device_of(d) == device for d in found):
+        return
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
     for path, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor) and device_of(leaf.device) != device:

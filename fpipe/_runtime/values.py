@@ -31,7 +31,8 @@ def frozen(leaf: Any) -> bool:
     a model's convention holds for its parameters (``from_modules`` and ``fpipe.GPipe`` pass
     them as ``nn.Parameter``s) and the functional one for plain tensors, and neither can be
     half-applied."""
-    return isinstance(leaf, torch.nn.Parameter) and not leaf.requires_grad
+    # (requires_grad first: Parameter's isinstance runs Python code, and most leaves train)
+    return not getattr(leaf, "requires_grad", True) and isinstance(leaf, torch.nn.Parameter)
 
 
 def param_leaves(tree: Any) -> list:

@@ -193,4 +193,7 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
 
 
 def _detached(values: list) -> list:
-    return [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+    """``values`` out of the graph: a tensor that requires grad detached, the rest as they are
+    (a stateful stage's running statistics, hundreds a call in a model of many BatchNorms)."""
+    return [v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
+            for v in values]
