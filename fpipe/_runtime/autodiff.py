@@ -8,6 +8,7 @@ adapted away before, so what remains here is differentiation and the purity chec
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import optree
@@ -215,6 +216,9 @@ def _split_outputs(outs: list[Value]) -> tuple[list, list]:
     return grads, kept
 
 
+_VERSION = attrgetter("_version")
+
+
 class _Watch:
     """The version counters of every tensor a stage call is given (parameters, state, inputs):
     a stage that writes into one in place is caught right after that call, before the next
@@ -236,12 +240,17 @@ class _Watch:
                 leaves += value.leaves
             elif len(skip) < len(value.leaves):  # (else every leaf is differentiated)
                 leaves += [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
-        # Inference tensors (made under torch.inference_mode) keep no version counter.
-        self.tensors = tensors = [leaf for leaf in leaves
-                                  if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
-        self.versions = [t._version for t in tensors] if tensors else tensors
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        try:  # (map: a loop in C, over hundreds of tensors a call in a model of many)
+            versions = list(map(_VERSION, tensors))
+        except RuntimeError:  # an inference tensor (torch.inference_mode) keeps no version
+            tensors = [t for t in tensors if not t.is_inference()]
+            versions = list(map(_VERSION, tensors))
+        self.tensors, self.versions = tensors, versions
 
     def check(self) -> None:
+        if list(map(_VERSION, self.tensors)) == self.versions:
+            return
         for tensor, version in zip(self.tensors, self.versions):
             if tensor._version != version:
                 raise StageError(f"the stage wrote in place into {self._name(tensor)}; stages "
