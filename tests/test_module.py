@@ -97,6 +97,27 @@ def test_a_model_changed_between_calls_trains_as_the_plain_changed_model(change)
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+def test_a_bias_given_after_a_call_trains_as_in_the_plain_model():
+    """A parameter registered as None (no bias) that gets a tensor after a call: the face
+    trains it, as the plain model does (the count of each module's names is unchanged, so the
+    structure check must see the None go)."""
+    x = torch.randn(6, 6, dtype=torch.float64)
+    layers = model()
+    layers[0].bias = None
+    piped = fpipe.GPipe(layers, [3, 2], chunks=2)
+    piped(x).sum().backward()
+    piped.zero_grad(set_to_none=True)
+    piped.partitions[0][0].bias = nn.Parameter(torch.randn(8, dtype=torch.float64))
+    plain = nn.Sequential(*copy.deepcopy(list(piped)))
+    out, expected = piped(x), plain(x)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(piped.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_grads_accumulate_over_two_backwards():
     plain, piped = model(), fpipe.GPipe(model(), [2, 3], chunks=2)
     x = torch.randn(4, 6, dtype=torch.float64)
