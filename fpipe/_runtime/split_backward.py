@@ -29,12 +29,7 @@ if TorchVersion(torch.__version__) >= (2, 4):
 else:  # autograd cannot resume from a graph node: both halves run at I
     GradientEdge = get_gradient_edge = None
 
-try:  # what torch.autograd.grad calls after its checks (see _resumed)
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # pragma: no cover - older torch: the public entry point
-    _engine_run_backward = None
-
-from fpipe._runtime.vjp import run_backward
+from fpipe._runtime.vjp import resume_backward, run_backward
 
 __all__ = ["split_vjp", "SplitVJP"]
 
@@ -123,14 +118,14 @@ class SplitVJP:
             given = [(GradientEdge(node, i), g)
                      for i, g in enumerate(self._recorded.pop(node)) if g is not None]
             branches = graph.branches(node)
-            grads = _resumed([e for e, _ in given], branches, [g for _, g in given])
+            grads = resume_backward([e for e, _ in given], branches, [g for _, g in given])
             for branch, grad in zip(branches, grads):
                 if grad is not None:
                     _add(arriving, (branch.node, branch.output_nr), grad)
         if not arriving:
             return [None] * len(self.params)
         edges = list(arriving)
-        return list(_resumed([GradientEdge(*e) for e in edges], self.params,
+        return list(resume_backward([GradientEdge(*e) for e in edges], self.params,
                              [arriving[e] for e in edges]))
 
     def _recorder(self, node: Node) -> Callable:
@@ -193,18 +188,6 @@ class _Graph:
     def branches(self, node: Node) -> list:
         return [GradientEdge(child, nr) for child, nr in node.next_functions
                 if self.is_branch(child)]
-
-
-def _resumed(edges: list, inputs: list, grads: list) -> tuple:
-    """``torch.autograd.grad(edges, inputs, grads, allow_unused=True)``, resumed from graph
-    edges with gradients :meth:`SplitVJP.input_grads` recorded (so of the edges' shapes, on
-    their devices: what ``grad``'s checks would pass). W makes one such call per recorded
-    node: through the engine's entry point, each costs about a third of ``grad``'s host time
-    (30 against 80 us on the 2-core CPU), which is most of W's excess for small layers."""
-    if _engine_run_backward is None:  # pragma: no cover - older torch
-        return torch.autograd.grad(edges, inputs, grads, allow_unused=True)
-    return _engine_run_backward(tuple(edges), tuple(grads), False, False, tuple(inputs), True,
-                                accumulate_grad=False)
 
 
 def _add(totals: dict, key: Any, grad: torch.Tensor) -> None:
