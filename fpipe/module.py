@@ -20,6 +20,7 @@ from torch import nn
 from fpipe._gpipe import arguments
 from fpipe._gpipe.run import Pipelines, Run, check_input, microbatches, recomputes, remat_of
 from fpipe._runtime.engine import check_untransformed
+from fpipe._runtime.step import Donated
 from fpipe.stages.batchnorm import DeferredBatchNorm
 from fpipe.stages.module_skip import verify_skippables
 from fpipe.stages.swap import Swap
@@ -74,7 +75,9 @@ class GPipe(nn.Module):
         if not self.partitions:
             return input  # an empty nn.Sequential: the identity, as in torchgpipe
         m = microbatches(input, self.chunks)
-        state = buffers
+        # The step updates the normalisation layers' running statistics where they are, as a
+        # plain forward does (see fpipe.stages.running); other buffers through copies.
+        state = [Donated(named) for named in buffers]
         if torch.is_inference_mode_enabled() or not self._needs_grad(input, params):
             # Nothing could need a backward (no_grad, or nothing requires grad), in training
             # mode too: every micro-batch runs without a graph on every partition.
@@ -86,10 +89,12 @@ class GPipe(nn.Module):
         # micro-batches drop their activations, the rest keep what a backward needs.
         remat = remat_of(self.checkpoint, self.chunks, m) if self.training else "never"
         pipe = self._pipeline(m, remat, params, state)
-        if recomputes(remat, m) and any(state):
+        if recomputes(remat, m) and any(buffers):
             # A recompute runs on the buffers its forward saw, which _commit below overwrites
-            # in place (as a plain forward would): it gets copies. Nothing recomputed, no copy.
-            state = [{name: b.clone() for name, b in buffers.items()} for buffers in state]
+            # in place (as a plain forward would): it gets copies of those it reads.
+            state = [Donated({name: b if name in unread else b.clone()
+                              for name, b in named.items()})
+                     for named, unread in zip(buffers, self._pipelines.unread_by_recomputes())]
 
         def run(input: Any) -> tuple[Any, Any]:
             y, vjp_fn, new_state = pipe.vjp(input, params=params, state=state)
@@ -160,7 +165,8 @@ def _commit(buffers: list[dict[str, torch.Tensor]],
     with torch.no_grad():
         for held, new in zip(buffers, new_state):
             for name, buffer in held.items():
-                buffer.copy_(new[name])
+                if new[name] is not buffer:  # not updated where it is
+                    buffer.copy_(new[name])
 
 
 def _moving_denied() -> TypeError:

@@ -6,17 +6,17 @@ in the forward a recompute will repeat (its activations are dropped), as torchgp
 flags are per thread, since each worker of the local driver runs on its own thread.
 
 One more flag is the runtime's own: :func:`state_owned` is true in a stateful stage's call
-whose state no one else holds (made earlier in the step, and neither the caller's nor kept for
-a recompute), which the stage may therefore update in place instead of copying first.
+whose state the step made (not the caller's), which the stage may update in place instead of
+copying first, except what its recompute would read: the state a forward saw is what its
+recompute starts from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 
-__all__ = ["is_recomputing", "recomputing", "is_checkpointing", "checkpointing"]
+__all__ = ["is_recomputing", "is_checkpointing"]
 
 _flag = threading.local()
 
@@ -33,29 +33,37 @@ def is_checkpointing() -> bool:
 
 
 def state_owned() -> bool:
-    """True while the calling thread runs a stage call whose state it may update in place: the
-    runtime made that state earlier in the step and holds it nowhere else (see
-    :func:`owning_state`)."""
+    """True while the calling thread runs a stage call whose state the step made (not the
+    caller's): the stage may update in place what no recompute reads (a recompute starts from
+    the state its forward saw)."""
     return getattr(_flag, "owned", False)
 
 
-def owning_state() -> contextlib.AbstractContextManager[None]:
-    return _raised("owned")
+def flags(*, recomputing: bool = False, checkpointing: bool = False,
+          owned: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Sets the calling thread's flags for a block, as the runtime does around each stage call:
+    those given true are true inside it (and false after)."""
+    return _FLAGS[recomputing, checkpointing, owned]
 
 
-def recomputing() -> contextlib.AbstractContextManager[None]:
-    return _raised("recomputing")
+class _Flags:
+    """One combination of flags: an object, not a generator, since one is entered per call."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def __enter__(self) -> None:
+        for name in self.names:
+            setattr(_flag, name, True)
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.names:
+            setattr(_flag, name, False)
 
 
-def checkpointing() -> contextlib.AbstractContextManager[None]:
-    return _raised("checkpointing")
-
-
-@contextlib.contextmanager
-def _raised(name: str) -> Iterator[None]:
-    """The calling thread's flag ``name`` true for the block."""
-    setattr(_flag, name, True)
-    try:
-        yield
-    finally:
-        setattr(_flag, name, False)
+_FLAGS = {(r, c, o): _Flags(tuple(name for name, on in (("recomputing", r),
+                                                         ("checkpointing", c), ("owned", o))
+                                  if on))
+          for r in (False, True) for c in (False, True) for o in (False, True)}

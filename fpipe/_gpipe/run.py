@@ -159,6 +159,7 @@ class Pipelines:
 
     def __init__(self) -> None:
         self.built: dict[tuple, Pipeline] = {}
+        self.partitions: list[Partition] = []
         self.stages: list | None = None
 
     def get(self, partitions: nn.ModuleList, devices: list[torch.device], microbatches: int,
@@ -167,12 +168,17 @@ class Pipelines:
         if key not in self.built:
             if self.stages is None:
                 model = tensor_names({f"partition {j}'s ": p for j, p in enumerate(partitions)})
-                self.stages = route_module_skips(
-                    [Partition(p, j, model) for j, p in enumerate(partitions)], list(partitions),
-                    True)
+                self.partitions = [Partition(p, j, model) for j, p in enumerate(partitions)]
+                self.stages = route_module_skips(self.partitions, list(partitions), True)
             self.built[key] = Pipeline(self.stages, params, state=state, devices=devices,
                                        schedule=clock_program(microbatches, devices, remat))
         return self.built[key]
+
+    def unread_by_recomputes(self) -> list[set[str]]:
+        """Per partition, the buffers no recompute reads and no call writes where a
+        recompute could see it: the running statistics of its plain normalisation layers
+        (see :mod:`fpipe.stages.running`). Asked after :meth:`get`."""
+        return [p.stage.running.uncopied(owned=True) for p in self.partitions]
 
     def __deepcopy__(self, memo: dict) -> Pipelines:
         return Pipelines()

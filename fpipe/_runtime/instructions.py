@@ -18,7 +18,7 @@ from fpipe._runtime.rng import UnseededDraws
 from fpipe._runtime.step import Channel, Step
 from fpipe._runtime.values import Value
 from fpipe.errors import LOSS, StageError, Where, locate
-from fpipe.recompute import checkpointing, owning_state, recomputing
+from fpipe.recompute import flags
 from fpipe.schedules.actions import Action, Op, Program
 from fpipe.schedules.validate import validate
 
@@ -223,7 +223,7 @@ def _forward(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     with interpreter.transport.compute(device), \
             interpreter.random.scope(step.seed, stage, microbatch, step.training, step.seeded,
                                      check=dropped) as drawing, \
-            checkpointing() if dropped else _owning(step, stage, state), \
+            flags(checkpointing=dropped, owned=_made(step, stage, state)), \
             job.timed(kind, stage, microbatch):
         if kind.keep:
             outs, step.state[stage], vjp_fn = call.forward_vjp(
@@ -255,7 +255,8 @@ def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     with interpreter.transport.compute(interpreter.devices[stage]), \
             interpreter.random.scope(step.seed, stage, microbatch, True, step.seeded,
                                      check=True) as drawing, \
-            recomputing(), _owning(step, stage, state), job.timed(kind, stage, microbatch):
+            flags(recomputing=True, owned=_made(step, stage, state)), \
+            job.timed(kind, stage, microbatch):
         *_, vjp_fn = call.forward_vjp(step.params[stage], inputs, state,
                                       step.batch[microbatch], split=kind.split,
                                       accumulate=_accumulate(job, kind, stage),
@@ -268,14 +269,10 @@ def _recompute(job: Job, kind: Kind, stage: int, microbatch: int) -> None:
     step.vjps[stage, microbatch] = (vjp_fn, _grad_counts(call, inputs))
 
 
-def _owning(step: Step, stage: int, state: object) -> contextlib.AbstractContextManager:
-    """The call may update ``state`` in place (:func:`~fpipe.recompute.state_owned`) when the
-    step made it: not the caller's. (A forward that will be recomputed keeps its state for the
-    recompute and is never given this; a recompute's state, taken from what its forward kept,
-    is held nowhere else, and its new state is dropped.)"""
-    if state is None or state is step.given_state[stage]:
-        return _NOTHING
-    return owning_state()
+def _made(step: Step, stage: int, state: object) -> bool:
+    """Whether the step made ``state`` (not the caller's): a call may then update it in place
+    (:func:`~fpipe.recompute.state_owned`), except what its recompute would read."""
+    return state is not None and state is not step.given_state[stage]
 
 
 def _cotangent(job: Job, stage: int, microbatch: int) -> list:

@@ -16,7 +16,7 @@ from fpipe._runtime.values import Value, placed, trainable
 from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
-__all__ = ["Step", "Ends", "Vjp", "GradSums", "TrainResult", "Channel", "plus"]
+__all__ = ["Step", "Donated", "Ends", "Vjp", "GradSums", "TrainResult", "Channel", "plus"]
 
 
 class TrainResult:
@@ -86,6 +86,14 @@ class Vjp(Ends):
 INFERENCE, LOSS = Ends(), _Loss()
 
 
+class Donated(dict):
+    """A stage's state that its caller hands over to the step, as a plain module hands its
+    buffers to its forward: the step may update it in place as it would a state it made
+    (``fpipe.GPipe`` gives its partitions' buffers so)."""
+
+    __slots__ = ()
+
+
 class Step:
     """Everything one step's actions share on one process; dropped when the step ends.
 
@@ -99,8 +107,9 @@ class Step:
                  context: ThreadState | None = None) -> None:
         self.params = params
         self.state = list(state)
-        # The caller's state, per stage: a call given it may not update it in place.
-        self.given_state = list(state)
+        # The caller's state, per stage: a call given it may not update it in place (unless
+        # the caller handed it over: Donated).
+        self.given_state = [None if type(s) is Donated else s for s in state]
         self.inputs = inputs
         # What each micro-batch's stage calls know of it (size, target, loss weight).
         self.batch = [MicroBatch(size, None if targets is None else targets[m], weights[m])

@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
-from fpipe.recompute import state_owned
+from fpipe.recompute import is_recomputing, state_owned
 from fpipe.stages.materialize import Init, place_stages
 from fpipe.stages.module_skip import _Routed, route_module_skips
 from fpipe.stages.naming import Tie, find_ties, model_names, module_names
+from fpipe.stages.running import RunningStats
 from fpipe.stages.swap import Swap
 
 __all__ = ["Stages", "ModuleStage", "StatefulModuleStage", "from_sequential", "from_modules",
@@ -88,35 +88,36 @@ class ModuleStage:
 class StatefulModuleStage(ModuleStage):
     """``stage(params, state, x) -> (y, new_state)``: the module run on ``params`` and buffers.
 
-    The buffers are cloned before the call, so in-place updates (BatchNorm's running statistics)
-    land on the clones, which are returned: the caller's ``state`` is never written, which lets
-    the driver replay a forward from the state it saw. A buffer the module reassigns
-    (``self.steps = self.steps + 1``, in any submodule) is returned as reassigned, as plain
-    PyTorch keeps it.
+    The buffers are copied before the call, so in-place updates land on the copies, which are
+    returned: the caller's ``state`` is never written, which lets the driver replay a forward
+    from the state it saw. A buffer the module reassigns (``self.steps = self.steps + 1``, in
+    any submodule) is returned as reassigned, as plain PyTorch keeps it.
 
-    One exception: a normalisation layer's running statistics (``BatchNorm``, ``InstanceNorm``
-    with ``track_running_stats``) in a call whose state the step made and holds nowhere else
-    (:func:`~fpipe.recompute.state_owned`: not the caller's, not kept for a recompute) are
-    updated where they are, as plain PyTorch updates a module's. Nothing else could see the
-    write, and no backward reads them after it (training writes them without a new version and
-    differentiates through the batch's statistics; evaluation does not write them). A model of
-    many BatchNorms otherwise spent most of its per-call host time on these clones
-    (``benchmarks/amoeba.py``: 360 buffers a call). Other buffers are always cloned: a module
-    may save one for its backward and write it in the next micro-batch's call.
+    The exception is the running statistics of torch's own normalisation layers, which only
+    a training forward writes and only an evaluation forward reads (see
+    :mod:`fpipe.stages.running`): where the call's state is the step's own
+    (:func:`~fpipe.recompute.state_owned`), they are updated where they are, one set through
+    the micro-batches as a plain module's; a layer in evaluation reads them uncopied; and a
+    recompute writes scratch ones (the step's own have moved on since its forward, and its
+    output does not depend on them). Other buffers are always copied: a module may save one
+    for its backward and write it in the next micro-batch's call.
     """
 
     def __init__(self, module: nn.Module, model: TensorNames | None = None,
                  ties: tuple[Tie, ...] = ()) -> None:
         super().__init__(module, model, ties)
-        self.running = frozenset(
-            f"{prefix}.{name}" if prefix else name
-            for prefix, m in module.named_modules(remove_duplicate=False)
-            if isinstance(m, _NormBase) for name in m._buffers)
+        self.running = RunningStats(module)
 
     def __call__(self, params: Tensors, state: Tensors, x: Any) -> tuple[Any, Tensors]:
-        shared = self.running if state_owned() else ()
-        tensors = {name: buffer if name in shared else buffer.clone()
-                   for name, buffer in state.items()}
+        if is_recomputing():
+            uncopied, scratch = self.running.for_recompute(state)
+            tensors = {name: scratch[name] if name in scratch else
+                       buffer if name in uncopied else buffer.clone()
+                       for name, buffer in state.items()}
+        else:
+            uncopied = self.running.uncopied(state_owned())
+            tensors = {name: buffer if name in uncopied else buffer.clone()
+                       for name, buffer in state.items()}
         if params.keys() & tensors.keys():  # functional_call's error for a name given twice
             return torch.func.functional_call(self.module, (params, tensors), (x,)), tensors
         tensors.update(params)

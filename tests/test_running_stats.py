@@ -1,0 +1,143 @@
+"""Normalisation layers in a pipeline train as the plain module fed the micro-batches in order.
+
+A step updates the running statistics of torch's own normalisation layers without copying
+them, and its recomputes write scratch ones (``fpipe.stages.running``). Each case here is a
+way that would go wrong if a layer were treated so where it must not be: a layer in
+evaluation (its recompute reads its statistics), a hook or a subclass whose output reads them
+(its recompute must see what its forward saw), a model whose dtype changes between steps (the
+scratch must follow). Every case is compared with the plain module, gradients and buffers,
+over two steps, under each checkpoint mode, through ``fpipe.GPipe`` and ``fpipe.pipeline``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fpipe
+from fpipe import gpipe, one_f_one_b
+
+
+class _Renorm(nn.BatchNorm1d):
+    """A BatchNorm whose training output reads its running mean (as batch renormalisation
+    does): a forward of its own, so a step must copy its statistics."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = self.running_mean.clone()
+        return super().forward(x) + before
+
+
+def _add_running_mean(module: nn.Module, args: tuple, output: torch.Tensor):
+    if isinstance(module, nn.BatchNorm1d):
+        return output + module.running_mean  # read after the layer updated it
+    return None
+
+
+def _model(case: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    norm = _Renorm if case == "subclass" else nn.BatchNorm1d
+    model = nn.Sequential(nn.Linear(6, 8), norm(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8),
+                          nn.Tanh(), nn.Linear(8, 3)).double()
+    for m in model:
+        if isinstance(m, nn.BatchNorm1d):  # statistics that differ from their defaults
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    if case == "frozen":
+        model[1].eval()  # a frozen layer in a model in training
+    if case == "hooked":
+        model[4].register_forward_hook(_add_running_mean)
+    return model
+
+
+def _plain_step(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The plain module fed the micro-batches one by one, one loss over the whole output."""
+    y = torch.cat([model(xm) for xm in x.chunk(chunks)])
+    (y.sin() * y).sum().backward()
+    return y
+
+
+def _assert_same(plain: nn.Module, piped: nn.Module, tol: float) -> None:
+    for (name, p), q in zip(plain.named_parameters(), piped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol, msg=name)
+    for (name, b), c in zip(plain.named_buffers(), piped.buffers()):
+        torch.testing.assert_close(c, b, rtol=tol, atol=tol, msg=name)
+
+
+CASES = ["plain", "frozen", "hooked", "global hook", "subclass"]
+
+
+@pytest.fixture
+def case(request):
+    handle = None
+    if request.param == "global hook":
+        handle = nn.modules.module.register_module_forward_hook(_add_running_mean)
+    yield request.param
+    if handle is not None:
+        handle.remove()
+
+
+@pytest.mark.parametrize("case", CASES, indirect=True)
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_gpipe_trains_normalisation_layers_as_the_plain_module(case, checkpoint):
+    plain = _model(case)
+    piped = fpipe.GPipe(copy.deepcopy(plain), [3, 4], chunks=3, checkpoint=checkpoint)
+    for step in range(2):
+        x = torch.randn(9, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        for m in (plain, piped):
+            m.zero_grad()
+        expected = _plain_step(plain, x, 3)
+        y = piped(x)
+        (y.sin() * y).sum().backward()
+        torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+        _assert_same(plain, piped, 1e-10)
+
+
+@pytest.mark.parametrize("case", CASES, indirect=True)
+@pytest.mark.parametrize("schedule", [gpipe(chunks=3, remat="always"),
+                                      gpipe(chunks=3, remat="except_last"),
+                                      one_f_one_b(chunks=3, remat="always")])
+def test_module_stages_train_normalisation_layers_as_the_plain_module(case, schedule):
+    plain = _model(case)
+    s = fpipe.stages.from_sequential(copy.deepcopy(plain), [3, 4], stateful=True)
+    params, state = s.params, s.state
+
+    def loss_fn(y, target):
+        return (y.sin() * y).sum() * 9 / len(y)  # a step weighs it by len(y) / 9
+
+    with fpipe.pipeline(s.stages, params, state=state, schedule=schedule,
+                        loss_fn=loss_fn) as pipe:
+        for step in range(2):
+            x = torch.randn(9, 6, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(step))
+            plain.zero_grad()
+            _plain_step(plain, x, 3)
+            given = [{k: v.clone() for k, v in st.items()} for st in state]
+            _, grads, new_state = pipe.value_and_grad(x, torch.zeros(9), state=state)
+            for before, now in zip(given, state):  # the caller's state is left as it was
+                assert all(torch.equal(before[k], now[k]) for k in before)
+            got = {k: v for tree in grads for k, v in tree.items()}
+            for name, p in plain.named_parameters():
+                torch.testing.assert_close(got[name], p.grad, rtol=1e-10, atol=1e-10, msg=name)
+            buffers = {k: v for tree in new_state for k, v in tree.items()}
+            for name, b in plain.named_buffers():
+                torch.testing.assert_close(buffers[name], b, rtol=1e-12, atol=1e-12, msg=name)
+            state = new_state
+
+
+def test_a_dtype_change_between_steps_trains_as_the_plain_module():
+    """The recompute's scratch statistics follow the layer's dtype from step to step."""
+    plain = _model("plain").float()
+    piped = fpipe.GPipe(copy.deepcopy(plain), [3, 4], chunks=3, checkpoint="always")
+    for step, dtype in enumerate((torch.float32, torch.float64, torch.float32)):
+        plain.to(dtype)
+        piped.to(dtype)
+        x = torch.randn(9, 6, dtype=dtype, generator=torch.Generator().manual_seed(step))
+        for m in (plain, piped):
+            m.zero_grad()
+        _plain_step(plain, x, 3)
+        y = piped(x)
+        (y.sin() * y).sum().backward()
+        _assert_same(plain, piped, 1e-4)
