@@ -239,6 +239,10 @@ def test_stateful_stage_returns_new_state_and_leaves_the_old_one():
         if name in new_state:
             torch.testing.assert_close(new_state[name], buffer, rtol=0, atol=0)
     assert int(new_state["1.num_batches_tracked"]) == 1
+    # A name in both params and state is refused, as functional_call refuses it.
+    doubled = {**s.state[0], "0.weight": s.params[0]["0.weight"]}
+    with pytest.raises(ValueError, match=r"\['0.weight'\] appeared in multiple dictionaries"):
+        s.stages[0](s.params[0], doubled, x)
 
 
 def test_stateful_stage_under_vjp():

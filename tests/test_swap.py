@@ -111,6 +111,13 @@ def test_what_only_functional_call_does_goes_through_it():
     tensors = others(module)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         Swap(module)({**tensors, "extra": torch.ones(1)}, (x,))
+    swap = Swap(module)
+    swap(tensors, (x,))  # (its structure read: the fast path from now on)
+    misnamed = dict(tensors)  # as many names as the module's, one of them not its
+    misnamed["0.bias2"] = misnamed.pop("0.bias")
+    with pytest.raises(RuntimeError, match=r"(?s)Unexpected key\(s\): '0.bias2'.*Missing "
+                                           r"key\(s\): '0.bias'"):
+        swap(misnamed, (x,))
     tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     tied[1].weight = tied[0].weight  # one tensor under two names: given once
     tensors = {"0.weight": torch.randn(4, 4), "0.bias": torch.randn(4),

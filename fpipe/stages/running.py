@@ -51,12 +51,16 @@ class RunningStats:
                       for name, b in m._buffers.items() if b is not None))
             for prefix, m in module.named_modules(remove_duplicate=False)
             if type(m).forward in _KNOWN)
+        self._all = frozenset(name for _, names in self.layers for name in names)
         self._scratch = threading.local()
 
-    def uncopied(self, owned: bool) -> set[str]:
+    def uncopied(self, owned: bool) -> frozenset[str] | set[str]:
         """The names a forward may pass uncopied: every layer's where the state is the step's
         own (``owned``), else those of layers in evaluation."""
-        return {name for m, names in self._plain() if owned or not m.training for name in names}
+        plain = self._plain()
+        if owned and len(plain) == len(self.layers):  # (every layer's: the usual case)
+            return self._all
+        return {name for m, names in plain if owned or not m.training for name in names}
 
     def for_recompute(self, state: dict[str, torch.Tensor]) -> tuple[set[str], dict]:
         """``(uncopied, scratch)`` for a recompute from ``state``: layers in evaluation read

@@ -118,11 +118,11 @@ class StatefulModuleStage(ModuleStage):
             uncopied = self.running.uncopied(state_owned())
             tensors = {name: buffer if name in uncopied else buffer.clone()
                        for name, buffer in state.items()}
-        if params.keys() & tensors.keys():  # functional_call's error for a name given twice
+        merged = {**tensors, **params}
+        if len(merged) < len(tensors) + len(params):  # a name given twice: functional_call's
             return torch.func.functional_call(self.module, (params, tensors), (x,)), tensors
-        tensors.update(params)
-        y = self.swap(tensors, (x,))  # writes a reassigned tensor back into ``tensors``
-        return y, {name: tensors[name] for name in state}
+        y = self.swap(merged, (x,))  # writes a reassigned tensor back into ``merged``
+        return y, {name: merged[name] for name in state}
 
 
 TensorNames = dict[int, tuple[torch.Tensor, str]]

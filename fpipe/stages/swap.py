@@ -47,29 +47,34 @@ class Swap:
         self._sizes: list = []
         self._empty: tuple = ((), ())  # the (tables, keys) registered as None: still None?
         self._order: tuple = ((), (), ())
-        self._is_param: tuple = ()  # per slot: a parameter's (else a buffer's)
+        self._n_params = 0  # the slots are the parameters' (in order), then the buffers'
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], args: tuple) -> Any:
         slots = self._slots if self._current() else self._read()
-        if slots is None or len(tensors) != len(slots) or not slots.keys() >= tensors.keys():
+        if slots is None or len(tensors) != len(slots):
             given = tensors if isinstance(tensors, dict) else dict(tensors)
             return functional_call(self.module, given, args, strict=True)
         originals = self._slot_values()
-        if originals is None:  # a name replaced by another: see functional_call's error
-            return functional_call(self.module, dict(tensors), args, strict=True)
         names, tables, keys = self._order
-        given = list(map(tensors.__getitem__, names))
+        try:  # as many names as slots, each found: the slots' names
+            given = None if originals is None else list(map(tensors.__getitem__, names))
+        except KeyError:
+            given = None
+        if given is None:  # a name replaced by another, or missing: functional_call's error
+            return functional_call(self.module, dict(tensors), args, strict=True)
         # Each loop over every tensor runs in C (map): a model of 800 tensors is swapped in
         # and out at every call of every micro-batch.
         deque(map(setitem, tables, keys, given), maxlen=0)
         try:
             return self.module(*args)
         finally:
-            now = list(map(getitem, tables, keys))
-            if isinstance(tensors, dict) and not all(map(is_, now, given)):
-                # A tensor the module reassigned (not updated in place) comes back in the
-                # caller's dict, as functional_call writes it back.
-                for name, tensor, was in zip(names, now, given):
+            # A buffer the module reassigned (not updated in place) comes back in the caller's
+            # dict, as functional_call writes it back. (A parameter can be reassigned only
+            # by a new nn.Parameter, which no stage's caller reads back: not looked for.)
+            n = self._n_params
+            now = list(map(getitem, tables[n:], keys[n:]))
+            if isinstance(tensors, dict) and not all(map(is_, now, given[n:])):
+                for name, tensor, was in zip(names[n:], now, given[n:]):
                     if tensor is not was:
                         tensors[name] = tensor
             deque(map(setitem, tables, keys, originals), maxlen=0)
@@ -87,11 +92,8 @@ class Swap:
         values = self._slot_values()
         if values is None or any(map(is_, values, repeat(None))):
             return None
-        names = self._order[0]
-        params, buffers = {}, {}
-        for name, value, is_param in zip(names, values, self._is_param):
-            (params if is_param else buffers)[name] = value
-        return params, buffers
+        names, n = self._order[0], self._n_params
+        return dict(zip(names[:n], values[:n])), dict(zip(names[n:], values[n:]))
 
     def _slot_values(self) -> list | None:
         """The tensor in every slot, or ``None`` where a slot's name is no longer in its table
@@ -156,8 +158,10 @@ class Swap:
     def _keep(self, slots: dict | None) -> dict | None:
         self._slots = slots
         if slots is not None:  # the slots as columns: each name, its table, its key there
-            self._order = (tuple(slots), tuple(table for table, _ in slots.values()),
-                           tuple(key for _, key in slots.values()))
             params = {id(table) for table in self._params}
-            self._is_param = tuple(id(table) in params for table in self._order[1])
+            ordered = sorted(slots.items(), key=lambda slot: id(slot[1][0]) not in params)
+            self._order = (tuple(name for name, _ in ordered),
+                           tuple(table for _, (table, _) in ordered),
+                           tuple(key for _, (_, key) in ordered))
+            self._n_params = sum(id(table) in params for table in self._order[1])
         return slots
