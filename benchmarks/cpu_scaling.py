@@ -23,10 +23,11 @@ gain; efficiency = speedup / bound. *check* compares the step's loss and its fir
 with naive-1's. K larger than the machine's cores is run only when asked (--workers), and its
 rows are marked oversubscribed. A distributed step is timed from a barrier to a barrier.
 
-``--only-distributed`` keeps naive-1 (the reference) and the spawned rows only. The spawned
-jobs run ``--rounds`` times (3 by default, 1 with --quick), every job once per round in turn,
-so a load that comes and goes on a shared machine touches every row alike; a row's step_ms is
-the median over rounds of each round's median step, and its note gives the rounds' range.
+``--only-distributed`` keeps naive-1 (the reference) and the spawned rows only. The pipeline
+rows run in ``--rounds`` rounds (3 by default, 1 with --quick): per round, every local row,
+then every spawned job in one group of ranks, so a load that comes and goes on a shared machine
+touches the local and the distributed rows alike; a row's step_ms is the median over rounds
+of each round's median step, and its note gives the rounds' range.
 """
 
 from __future__ import annotations
@@ -62,6 +63,24 @@ def row(k: int, m: int, driver: str, schedule: str, seconds: float | None, speed
             "step_ms": None if seconds is None else seconds * 1e3, "speedup": speedup,
             "bound": bound, "efficiency": None if speedup is None else speedup / bound,
             "check": check_, "note": note}
+
+
+def time_local(schedule: object, n_stages: int, params: list, x: torch.Tensor,
+               target: torch.Tensor, repeat: int) -> tuple[float, dict]:
+    """One round of a local row: the median step of ``repeat``, and the step's loss and first
+    gradient norm (for *check*)."""
+    with fpipe.pipeline([stage] * n_stages, split(params, n_stages), schedule=schedule,
+                        loss_fn=loss_fn) as pipe:
+        t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
+        loss, grads = pipe.value_and_grad(x, target)
+    return t, {"loss": float(loss), "grad0": float(grads[0][0]["w"].norm())}
+
+
+def _median_round(times: list[float]) -> tuple[float, str]:
+    """The median over rounds of each round's median step, and the rounds' range."""
+    times = sorted(times)
+    spread = f"rounds {times[0] * 1e3:.4g}-{times[-1] * 1e3:.4g} ms" if len(times) > 1 else ""
+    return times[len(times) // 2], spread
 
 
 def main() -> None:
@@ -114,56 +133,63 @@ def main() -> None:
             t = seconds_per_call(copies, repeat)
             rows.append(row(k, 1, f"{k} x naive-1", "copies at once", t, k * naive / t,
                             float(k), "", over))
-        for m in chunks_list:
-            bound = k * m / (m + k - 1)
-            if args.only_distributed:
-                continue
-            if k == 1:
+        if k == 1 and not args.only_distributed:
+            for m in chunks_list:
                 def micro_batched(m=m):
                     for xm, tm in zip(x.tensor_split(m), target.tensor_split(m)):
                         naive_step(params, xm, tm)
                 t = seconds_per_call(micro_batched, repeat)
                 rows.append(row(1, m, "naive-1", f"{m} micro-batches in a loop", t, naive / t,
                                 1.0))
-            for name, schedule, n_stages in fpipe_schedules(m, k):
+        local = [] if args.only_distributed else \
+            [(m, name, schedule, n) for m in chunks_list
+             for name, schedule, n in fpipe_schedules(m, k)]
+        jobs = distributed_jobs(model, chunks_list, k, repeat) if k in spawned else []
+        runnable = [job for *_, job in jobs if job is not None]
+        # Round by round: every local row, then every spawned job, so that a slow phase of
+        # the machine falls on the local and the distributed rows alike.
+        measured: dict = {}  # (m, name) -> each round's (seconds, result) or the error
+        by_round: list = []  # each round's ranks' results of the spawned jobs
+        for _ in range(rounds):
+            for m, name, schedule, n in local:
+                if isinstance(measured.get((m, name)), Exception):
+                    continue
                 try:
-                    with fpipe.pipeline([stage] * n_stages, split(params, n_stages),
-                                        schedule=schedule, loss_fn=loss_fn) as pipe:
-                        t = seconds_per_call(lambda: pipe.value_and_grad(x, target), repeat)
-                        loss, grads = pipe.value_and_grad(x, target)
-                    result = {"loss": float(loss), "grad0": float(grads[0][0]["w"].norm())}
-                    rows.append(row(k, m, "fpipe local", name, t, naive / t, bound,
-                                    check(result, *ref), over))
+                    measured.setdefault((m, name), []).append(
+                        time_local(schedule, n, params, x, target, repeat))
                 except Exception as exc:  # noqa: BLE001 - a failing schedule is a row
-                    rows.append(row(k, m, "fpipe local", name, None, None, bound,
-                                    "failed", f"{type(exc).__name__}: {exc}"[:200]))
-        if k in spawned:
-            jobs = distributed_jobs(model, chunks_list, k, repeat)
-            runnable = [job for *_, job in jobs if job is not None]
-            results = spawn_ranks(partial(run_jobs, strict=args.quick), k, runnable * rounds,
-                                  timeout=120 if args.quick else 1800 * rounds,
-                                  strict=args.quick)
-            for driver, name, m, job in jobs:
-                bound = k * m / (m + k - 1)
-                if job is None:
-                    rows.append(row(k, m, driver, name, None, None, bound, "not run",
-                                    TORCH_PIPELINING_MISSING or ""))
-                    continue
-                j = runnable.index(job)
-                merged = [merge_ranks([r if r is None or isinstance(r, dict)
-                                       else r[j + i * len(runnable)] for r in results])
-                          for i in range(rounds)]
-                failed = next((result for result in merged if "error" in result), None)
-                if failed is not None:
-                    rows.append(row(k, m, driver, name, None, None, bound, "failed",
-                                    failed["error"].strip().splitlines()[-1][:200]))
-                    continue
-                times = sorted(result["seconds"] for result in merged)
-                t = times[len(times) // 2]
-                spread = (f"rounds {times[0] * 1e3:.4g}-{times[-1] * 1e3:.4g} ms"
-                          if rounds > 1 else "")
-                rows.append(row(k, m, driver, name, t, naive / t, bound,
-                                check(merged[0], *ref), "; ".join(filter(None, (over, spread)))))
+                    measured[m, name] = exc
+            if runnable:
+                by_round.append(spawn_ranks(partial(run_jobs, strict=args.quick), k, runnable,
+                                            timeout=120 if args.quick else 1800,
+                                            strict=args.quick))
+        for m, name, _, _ in local:
+            bound = k * m / (m + k - 1)
+            got = measured[m, name]
+            if isinstance(got, Exception):
+                rows.append(row(k, m, "fpipe local", name, None, None, bound, "failed",
+                                f"{type(got).__name__}: {got}"[:200]))
+                continue
+            t, spread = _median_round([seconds for seconds, _ in got])
+            rows.append(row(k, m, "fpipe local", name, t, naive / t, bound,
+                            check(got[0][1], *ref), "; ".join(filter(None, (over, spread)))))
+        for driver, name, m, job in jobs:
+            bound = k * m / (m + k - 1)
+            if job is None:
+                rows.append(row(k, m, driver, name, None, None, bound, "not run",
+                                TORCH_PIPELINING_MISSING or ""))
+                continue
+            j = runnable.index(job)
+            merged = [merge_ranks([r if r is None or isinstance(r, dict) else r[j]
+                                   for r in results]) for results in by_round]
+            failed = next((result for result in merged if "error" in result), None)
+            if failed is not None:
+                rows.append(row(k, m, driver, name, None, None, bound, "failed",
+                                failed["error"].strip().splitlines()[-1][:200]))
+                continue
+            t, spread = _median_round([result["seconds"] for result in merged])
+            rows.append(row(k, m, driver, name, t, naive / t, bound,
+                            check(merged[0], *ref), "; ".join(filter(None, (over, spread)))))
     report(f"CPU pipeline scaling ({model.layers} blocks of width {model.width}, batch "
            f"{model.batch}, 1 intra-op thread per worker)", COLUMNS, rows, args.json, notes)
 
