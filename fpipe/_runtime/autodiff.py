@@ -180,8 +180,10 @@ class StageCall:
 
 
 def _watched(state: Any) -> Any:
-    """The state whose tensors a call must leave as they are: none where the step owns it (see
-    :func:`~fpipe.recompute.state_owned`)."""
+    """The state whose tensors a call must leave as they are: none where the step made it (see
+    :func:`~fpipe.recompute.state_owned`), which no caller holds. A stage that writes its state
+    in place is caught at its first micro-batch, whose state is the caller's (unless handed
+    over: ``fpipe.GPipe``'s module stages, which copy what they write)."""
     return None if state_owned() else state
 
 
