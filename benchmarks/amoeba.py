@@ -9,7 +9,9 @@ autograd) weighs against little arithmetic, so this is where a per-parameter cos
 model here has that shape: a stem, 22 cells of separable convolutions with BatchNorm (36 or 40
 tensors each) and a head, 24 layers and 841 tensors; the same model and batch run through both
 faces, one training step (forward, backward) per call, with torch at ``--threads`` threads
-(default 1). Rows alternate between the faces (A, B, B, A ...); the table gives each face's
+(default 1). Rows alternate between the faces (A, B, B, A ...), over two builds of both (each
+face built first in one: the face built second ran about 2% faster, whichever it was, so each
+build gives half of the ``--repeat`` pairs); the table gives each face's
 median and its spread (the fastest and slowest call), and the median over pairs of fpipe's
 time over torchgpipe's with its interquartile range (a shared machine's slow second falls on
 both faces of a pair alike, where the ratio of two medians moved by 0.1 from run to run).
@@ -64,25 +66,29 @@ def main() -> None:
         faces["torchgpipe"] = torchgpipe.GPipe
     except ImportError:
         pass
-    steps = {}
-    for name, face in faces.items():
-        torch.manual_seed(0)
-        model = face(amoeba_like(16, units), [size // 2, size - size // 2],
-                     devices=["cpu", "cpu"], chunks=args.chunks)
-
-        def step(model=model) -> None:
-            model(x).sum().backward()
-        for _ in range(2):  # warm-up: threads started, pipelines built
-            step()
-        steps[name] = step
     tensors = len(list(amoeba_like(16, units).parameters()))
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(repeat):
-        # interleaved, each pair's order alternating: A, B, B, A, A, B ...
-        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
-            start = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - start)
+    times: dict[str, list[float]] = {name: [] for name in faces}
+    # Two builds, each face first once: the face built second ran about 2% faster here
+    # whichever it was (memory layout), so each order gives half of the pairs.
+    for order in (list(faces), list(faces)[::-1]):
+        steps = {}
+        for name in order:
+            torch.manual_seed(0)
+            model = faces[name](amoeba_like(16, units), [size // 2, size - size // 2],
+                                devices=["cpu", "cpu"], chunks=args.chunks)
+
+            def step(model=model) -> None:
+                model(x).sum().backward()
+            for _ in range(2):  # warm-up: threads started, pipelines built
+                step()
+            steps[name] = step
+        for i in range((repeat + 1) // 2):
+            # interleaved, each pair's order alternating: A, B, B, A, A, B ...
+            for name in (order if i % 2 == 0 else order[::-1]):
+                start = time.perf_counter()
+                steps[name]()
+                times[name].append(time.perf_counter() - start)
+        del steps, step, model
     rows = []
     for name, spent in times.items():
         ordered = sorted(spent)
@@ -104,7 +110,8 @@ def main() -> None:
            f"{args.batch} in {args.chunks} chunks, 2 partitions",
            list(rows[0]), rows, args.json,
            notes=["one training step per call (forward, sum, backward); rows interleaved "
-                  "between faces, each pair's order alternating; vs_torchgpipe: the median over "
+                  "between faces over two builds (each face built first in one), each pair's "
+                  "order alternating; vs_torchgpipe: the median over "
                   "pairs of the pair's ratio (ratio_iqr: its interquartile range)"])
 
 

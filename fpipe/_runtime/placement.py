@@ -7,6 +7,7 @@ state, so a leaf on the wrong device is an error naming the stage and the leaf.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import optree
@@ -15,6 +16,15 @@ import torch
 from fpipe.errors import PlacementError
 
 __all__ = ["device_of", "check_params", "check_state", "stage_devices"]
+
+
+_DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
+
+
+def _tensors_only(leaves: list) -> bool:
+    """Whether every leaf is a tensor: one look per type, not per leaf (a face checks the
+    hundreds of leaves of its parameters at every call)."""
+    return all(issubclass(kind, torch.Tensor) for kind in set(map(type, leaves)))
 
 
 def _path(path: tuple) -> str:
@@ -34,9 +44,10 @@ def check_params(params: Mapping[int, Any],
     tree is first checked whole, cheaply; only a tree that fails is walked again with paths,
     for the message: a face checks its parameters at every call.)"""
     for s, tree in params.items():
-        if all(isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
-               for leaf in optree.tree_leaves(tree)):
-            _check_devices(s, tree, devices[s], "params", "parameter")
+        leaves = optree.tree_leaves(tree)
+        if _tensors_only(leaves) and all(dtype.is_floating_point or dtype.is_complex
+                                         for dtype in set(map(_DTYPE, leaves))):
+            _check_devices(s, tree, devices[s], "params", "parameter", leaves)
             continue
         paths, leaves, _ = optree.tree_flatten_with_path(tree)
         for path, leaf in zip(paths, leaves):
@@ -58,9 +69,12 @@ def check_state(state: Mapping[int, Any],
         _check_devices(s, tree, devices[s], "state", "state tensor")
 
 
-def _check_devices(stage: int, tree: Any, device: torch.device, name: str, what: str) -> None:
-    found = {leaf.device for leaf in optree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)}
-    if all(device_of(d) == device for d in found):
+def _check_devices(stage: int, tree: Any, device: torch.device, name: str, what: str,
+                   leaves: list | None = None) -> None:
+    leaves = optree.tree_leaves(tree) if leaves is None else leaves
+    tensors = leaves if _tensors_only(leaves) else \
+        [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if all(device_of(d) == device for d in set(map(_DEVICE, tensors))):
         return
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
     for path, leaf in zip(paths, leaves):

@@ -8,6 +8,7 @@ itself. Only floating-point (and complex) tensor leaves are differentiated; inte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import optree
@@ -18,6 +19,9 @@ from fpipe.errors import StageError
 
 __all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "placed",
            "trainable", "check_output", "describe"]
+
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def differentiable(leaf: Any) -> bool:
@@ -39,8 +43,14 @@ def param_leaves(tree: Any) -> list:
     """One stage's parameter leaves as a step takes them: detached where they require grad
     (the step differentiates its own leaves), a frozen ``nn.Parameter`` as it is, so that
     :func:`trainable` still sees it."""
+    leaves = optree.tree_leaves(tree)
+    try:  # (every leaf a tensor that requires grad, the usual case: one loop in C)
+        if all(map(_REQUIRES_GRAD, leaves)):
+            return list(map(torch.Tensor.detach, leaves))
+    except AttributeError:  # a leaf that is not a tensor
+        pass
     return [leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
-            for leaf in optree.tree_leaves(tree)]
+            for leaf in leaves]
 
 
 def placed(base: list, index: tuple[int, ...] | None, leaves: list) -> list:
@@ -57,6 +67,8 @@ def placed(base: list, index: tuple[int, ...] | None, leaves: list) -> list:
 def trainable(leaves: list) -> tuple[int, ...] | None:
     """The indices of the differentiated leaves of one stage's parameters, or ``None`` when
     all of them are (the common case, which costs nothing downstream)."""
+    if not any(issubclass(kind, torch.nn.Parameter) for kind in set(map(type, leaves))):
+        return None  # (no leaf is a Parameter, so none is frozen: one look per type)
     index = tuple(i for i, leaf in enumerate(leaves) if not frozen(leaf))
     return None if len(index) == len(leaves) else index
 
