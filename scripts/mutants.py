@@ -356,7 +356,8 @@ MUTANTS = (
            "if values is None:",
            ("tests/test_module.py",)),
     Mutant("a module stage's tables counted but not compared", "stages/swap.py",
-           "                and list(map(len, chain(self._params, self._buffers))) == self._sizes\n",
+           "                and list(map(len, chain(self._params, self._buffers))) == "
+           "self._sizes\n",
            "                and True\n", ("tests/test_swap.py",)),
     Mutant("a module stage's renamed tensor swapped by its old name", "stages/swap.py",
            "        except KeyError:\n            self._read_once = False",
