@@ -141,3 +141,29 @@ def test_a_dtype_change_between_steps_trains_as_the_plain_module():
         y = piped(x)
         (y.sin() * y).sum().backward()
         _assert_same(plain, piped, 1e-4)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_layer_replaced_between_steps_is_seen(checkpoint):
+    """A BatchNorm replaced after a step by a layer whose output reads its statistics, under
+    the same names, then another made such a layer in place: each next step copies them as
+    that layer needs, as if the face were built after the change."""
+    plain = _model("plain")
+    piped = fpipe.GPipe(copy.deepcopy(plain), [3, 4], chunks=3, checkpoint=checkpoint)
+    for step in range(3):
+        if step == 1:
+            for partition in (plain, piped.partitions[0]):
+                old = partition[1]
+                new = _Renorm(8).double()
+                new.load_state_dict(old.state_dict())
+                new.weight, new.bias = old.weight, old.bias  # the same parameters
+                partition[1] = new
+        if step == 2:  # a layer made a subclass in place: the structure is unchanged
+            plain[4].__class__ = piped.partitions[1][1].__class__ = _Renorm
+        x = torch.randn(9, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        for m in (plain, piped):
+            m.zero_grad()
+        _plain_step(plain, x, 3)
+        y = piped(x)
+        (y.sin() * y).sum().backward()
+        _assert_same(plain, piped, 1e-10)

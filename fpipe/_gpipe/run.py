@@ -178,7 +178,7 @@ class Pipelines:
         """Per partition, the buffers no recompute reads and no call writes where a
         recompute could see it: the running statistics of its plain normalisation layers
         (see :mod:`fpipe.stages.running`). Asked after :meth:`get`."""
-        return [p.stage.running.uncopied(owned=True) for p in self.partitions]
+        return [p.stage.running().uncopied(owned=True) for p in self.partitions]
 
     def __deepcopy__(self, memo: dict) -> Pipelines:
         return Pipelines()

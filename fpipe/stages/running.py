@@ -22,7 +22,9 @@ So, for a layer whose forward is torch's own and runs no hook:
 
 A layer of another class (a subclass with its own forward, ``DeferredBatchNorm``), one with a
 forward hook (which could read the statistics), or any layer while a global forward hook is
-registered keeps the copies.
+registered keeps the copies. Hooks and classes are looked at every call; a stage reads its
+layers again whenever its swap reads the module's structure again (a layer replaced, under
+the same names, between calls).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class RunningStats:
         if _module._global_forward_hooks or _module._global_forward_pre_hooks:
             return ()
         return tuple((m, names) for m, names in self.layers
-                     if not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__))
+                     if type(m).forward in _KNOWN  # (not since made a subclass in place)
+                     and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__))
 
 
 def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:

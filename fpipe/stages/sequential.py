@@ -106,22 +106,36 @@ class StatefulModuleStage(ModuleStage):
     def __init__(self, module: nn.Module, model: TensorNames | None = None,
                  ties: tuple[Tie, ...] = ()) -> None:
         super().__init__(module, model, ties)
-        self.running = RunningStats(module)
+        self._running = RunningStats(module)
+        self._read = self.swap.reads  # the swap's read of the structure _running follows
+
+    def running(self) -> RunningStats:
+        """The running statistics of the module as it is now: read again after a change of
+        its structure (a layer replaced between calls, under the same names)."""
+        self.swap.structure()
+        return self._current_running()
+
+    def _current_running(self) -> RunningStats:
+        if self.swap.reads != self._read:
+            self._running, self._read = RunningStats(self.module), self.swap.reads
+        return self._running
 
     def __call__(self, params: Tensors, state: Tensors, x: Any) -> tuple[Any, Tensors]:
+        slots = self.swap.structure()  # checked once a call, before anything reads it
+        running = self._current_running()
         if is_recomputing():
-            uncopied, scratch = self.running.for_recompute(state)
+            uncopied, scratch = running.for_recompute(state)
             tensors = {name: scratch[name] if name in scratch else
                        buffer if name in uncopied else buffer.clone()
                        for name, buffer in state.items()}
         else:
-            uncopied = self.running.uncopied(state_owned())
+            uncopied = running.uncopied(state_owned())
             tensors = {name: buffer if name in uncopied else buffer.clone()
                        for name, buffer in state.items()}
         merged = {**tensors, **params}
         if len(merged) < len(tensors) + len(params):  # a name given twice: functional_call's
             return torch.func.functional_call(self.module, (params, tensors), (x,)), tensors
-        y = self.swap(merged, (x,))  # writes a reassigned tensor back into ``merged``
+        y = self.swap(merged, (x,), slots)  # writes a reassigned tensor back into ``merged``
         return y, {name: merged[name] for name in state}
 
 

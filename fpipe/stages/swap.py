@@ -29,6 +29,9 @@ from torch.nn.utils import parametrize
 __all__: list[str] = []
 
 
+_UNCHECKED = object()
+
+
 class Swap:
     """Calls ``module`` with its parameters and buffers replaced by given tensors."""
 
@@ -36,6 +39,7 @@ class Swap:
         self.module = module
         self._slots: dict[str, tuple[dict, str]] | None = None  # None: functional_call only
         self._read_once = False
+        self.reads = 0  # how many times the structure was read (a change read anew adds one)
         # Per submodule: its parent's _modules, its name there, itself (columns, not rows:
         # see _current). Per module: itself, its _parameters and _buffers. Per table: its names.
         self._parents: tuple = ()
@@ -49,8 +53,11 @@ class Swap:
         self._order: tuple = ((), (), ())
         self._n_params = 0  # the slots are the parameters' (in order), then the buffers'
 
-    def __call__(self, tensors: Mapping[str, torch.Tensor], args: tuple) -> Any:
-        slots = self._slots if self._current() else self._read()
+    def __call__(self, tensors: Mapping[str, torch.Tensor], args: tuple,
+                 slots: Any = _UNCHECKED) -> Any:
+        """``slots``: what :meth:`structure` just returned, where the caller checked it."""
+        if slots is _UNCHECKED:
+            slots = self.structure()
         if slots is None or len(tensors) != len(slots):
             given = tensors if isinstance(tensors, dict) else dict(tensors)
             return functional_call(self.module, given, args, strict=True)
@@ -79,6 +86,12 @@ class Swap:
                         tensors[name] = tensor
             deque(map(setitem, tables, keys, originals), maxlen=0)
 
+    def structure(self) -> dict[str, tuple[dict, str]] | None:
+        """Each tensor name's table and key, the module's structure checked first and read
+        again where it changed (:attr:`reads` counts the reads); ``None``: only
+        ``functional_call`` will do."""
+        return self._slots if self._current() else self._read()
+
     def named(self) -> tuple[dict, dict] | None:
         """``(dict(module.named_parameters()), dict(module.named_buffers()))`` as they are
         now, read from the tables they live in (no walk of the module, which costs a model of
@@ -86,8 +99,7 @@ class Swap:
         :meth:`_read` leaves to ``functional_call``, a tensor set to ``None`` since). A tensor
         registered under a second name since (a tie) is given under both, as the module now
         uses it under both: its gradient is the sum, as in plain PyTorch."""
-        slots = self._slots if self._current() else self._read()
-        if slots is None:
+        if self.structure() is None:
             return None
         values = self._slot_values()
         if values is None or any(map(is_, values, repeat(None))):
@@ -140,6 +152,7 @@ class Swap:
                  for key, value in table.items() if value is None]
         self._empty = tuple(zip(*empty)) if empty else ((), ())
         self._read_once = True
+        self.reads += 1
         slots: dict[str, tuple[dict, str]] = {}
         seen: set[int] = set()
         for prefix, m in modules.items():
