@@ -47,8 +47,8 @@ MUTANTS = (
            "return not getattr(leaf, \"requires_grad\", True) and isinstance(leaf, "
            "torch.nn.Parameter)", "return False", ("tests/test_frozen.py",)),
     Mutant("an unused parameter's gradient made zeros", "_runtime/vjp.py",
-           "return list(grads[:n]), _zeros_for_none(grads[n:], inputs)",
-           "return _zeros_for_none(grads[:n], params), _zeros_for_none(grads[n:], inputs)",
+           "return list(grads[:n]), zeros_for_none(grads[n:], inputs)",
+           "return zeros_for_none(grads[:n], params), zeros_for_none(grads[n:], inputs)",
            ("tests/test_frozen.py",)),
     Mutant("a model's frozen parameters passed as trainable ones", "stages/materialize.py",
            "requires_grad=flags.get(name, True) and (", "requires_grad=True and (",

@@ -29,7 +29,7 @@ if TorchVersion(torch.__version__) >= (2, 4):
 else:  # autograd cannot resume from a graph node: both halves run at I
     GradientEdge = get_gradient_edge = None
 
-from fpipe._runtime.vjp import resume_backward, run_backward
+from fpipe._runtime.vjp import resume_backward, run_backward, zeros_for_none
 
 __all__ = ["split_vjp", "SplitVJP"]
 
@@ -82,8 +82,7 @@ class SplitVJP:
             grads = torch.autograd.grad(self.outs, self.inputs + self.params, cotangents,
                                         allow_unused=True)
             self._fused = list(grads[len(self.inputs):])
-            return [torch.zeros_like(x) if g is None else g
-                    for g, x in zip(grads[:len(self.inputs)], self.inputs)]
+            return zeros_for_none(grads[:len(self.inputs)], self.inputs)
         self._graph = graph
         handles = [node.register_prehook(self._recorder(node)) for node in graph.recorded]
         try:
@@ -91,7 +90,7 @@ class SplitVJP:
         finally:
             for handle in handles:
                 handle.remove()
-        return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, self.inputs)]
+        return zeros_for_none(grads, self.inputs)
 
     def weight_grads(self) -> list:
         """The gradients of the parameters, from what :meth:`input_grads` recorded (``None``
@@ -126,7 +125,7 @@ class SplitVJP:
             return [None] * len(self.params)
         edges = list(arriving)
         return list(resume_backward([GradientEdge(*e) for e in edges], self.params,
-                             [arriving[e] for e in edges]))
+                                    [arriving[e] for e in edges]))
 
     def _recorder(self, node: Node) -> Callable:
         def record(grad_outputs: tuple) -> None:

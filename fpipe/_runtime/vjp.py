@@ -31,7 +31,8 @@ import torch
 from torch.func import vjp as _torch_func_vjp
 from torch.torch_version import TorchVersion
 
-__all__ = ["func_vjp", "public_func_vjp", "autograd_vjp", "run_backward", "resume_backward"]
+__all__ = ["func_vjp", "public_func_vjp", "autograd_vjp", "run_backward", "resume_backward",
+           "zeros_for_none"]
 
 try:  # functorch's internals, as torch.func.vjp calls them (torch 2.3 to 2.13 at least)
     if TorchVersion(torch.__version__) < (2, 3):
@@ -91,7 +92,9 @@ def resume_backward(edges: list, inputs: list, grads: list) -> tuple:
                                 accumulate_grad=False)
 
 
-def _zeros_for_none(grads: tuple | list, like: list) -> list:
+def zeros_for_none(grads: tuple | list, like: list) -> list:
+    """``grads`` with zeros shaped like ``like``'s in place of ``None`` (an input no output
+    reached still hands a cotangent on)."""
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, like)]
 
 
@@ -103,7 +106,7 @@ def _split_grads(grads: tuple | list | None, params: list, inputs: list) -> tupl
     n = len(params)
     if grads is None:
         return [None] * n, [torch.zeros_like(x) for x in inputs]
-    return list(grads[:n]), _zeros_for_none(grads[n:], inputs)
+    return list(grads[:n]), zeros_for_none(grads[n:], inputs)
 
 
 def public_func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
