@@ -59,6 +59,23 @@ def _plain_step(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
     return y
 
 
+def _batch(step: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return torch.randn(9, 6, dtype=dtype, generator=torch.Generator().manual_seed(step))
+
+
+def _step_both(plain: nn.Module, piped: nn.Module, x: torch.Tensor,
+               tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training step of each on ``x`` (the plain module micro-batch by micro-batch),
+    their gradients and buffers then compared; returns both outputs (piped's first)."""
+    for m in (plain, piped):
+        m.zero_grad()
+    expected = _plain_step(plain, x, 3)
+    y = piped(x)
+    (y.sin() * y).sum().backward()
+    _assert_same(plain, piped, tol)
+    return y, expected
+
+
 def _assert_same(plain: nn.Module, piped: nn.Module, tol: float) -> None:
     for (name, p), q in zip(plain.named_parameters(), piped.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol, msg=name)
@@ -85,14 +102,8 @@ def test_gpipe_trains_normalisation_layers_as_the_plain_module(case, checkpoint)
     plain = _model(case)
     piped = fpipe.GPipe(copy.deepcopy(plain), [3, 4], chunks=3, checkpoint=checkpoint)
     for step in range(2):
-        x = torch.randn(9, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-        for m in (plain, piped):
-            m.zero_grad()
-        expected = _plain_step(plain, x, 3)
-        y = piped(x)
-        (y.sin() * y).sum().backward()
+        y, expected = _step_both(plain, piped, _batch(step), 1e-10)
         torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
-        _assert_same(plain, piped, 1e-10)
 
 
 @pytest.mark.parametrize("case", CASES, indirect=True)
@@ -110,8 +121,7 @@ def test_module_stages_train_normalisation_layers_as_the_plain_module(case, sche
     with fpipe.pipeline(s.stages, params, state=state, schedule=schedule,
                         loss_fn=loss_fn) as pipe:
         for step in range(2):
-            x = torch.randn(9, 6, dtype=torch.float64,
-                            generator=torch.Generator().manual_seed(step))
+            x = _batch(step)
             plain.zero_grad()
             _plain_step(plain, x, 3)
             given = [{k: v.clone() for k, v in st.items()} for st in state]
@@ -134,13 +144,7 @@ def test_a_dtype_change_between_steps_trains_as_the_plain_module():
     for step, dtype in enumerate((torch.float32, torch.float64, torch.float32)):
         plain.to(dtype)
         piped.to(dtype)
-        x = torch.randn(9, 6, dtype=dtype, generator=torch.Generator().manual_seed(step))
-        for m in (plain, piped):
-            m.zero_grad()
-        _plain_step(plain, x, 3)
-        y = piped(x)
-        (y.sin() * y).sum().backward()
-        _assert_same(plain, piped, 1e-4)
+        _step_both(plain, piped, _batch(step, dtype), 1e-4)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
@@ -160,10 +164,4 @@ def test_a_layer_replaced_between_steps_is_seen(checkpoint):
                 partition[1] = new
         if step == 2:  # a layer made a subclass in place: the structure is unchanged
             plain[4].__class__ = piped.partitions[1][1].__class__ = _Renorm
-        x = torch.randn(9, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-        for m in (plain, piped):
-            m.zero_grad()
-        _plain_step(plain, x, 3)
-        y = piped(x)
-        (y.sin() * y).sum().backward()
-        _assert_same(plain, piped, 1e-10)
+        _step_both(plain, piped, _batch(step), 1e-10)
