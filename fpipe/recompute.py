@@ -8,13 +8,17 @@ flags are per thread, since each worker of the local driver runs on its own thre
 One more flag is the runtime's own: :func:`state_owned` is true in a stateful stage's call
 whose state the step made (not the caller's), which the stage may update in place instead of
 copying first, except what its recompute would read: the state a forward saw is what its
-recompute starts from.
+recompute starts from. And :func:`run_serial` names the worker's run of stage calls that the
+thread is in (a step, or one half of a step run in two calls), so that a module stage checks
+its module's structure once per run instead of once per call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
+from collections.abc import Iterator
 
 __all__ = ["is_recomputing", "is_checkpointing"]
 
@@ -37,6 +41,30 @@ def state_owned() -> bool:
     caller's): the stage may update in place what no recompute reads (a recompute starts from
     the state its forward saw)."""
     return getattr(_flag, "owned", False)
+
+
+_serials = itertools.count(1)
+
+
+def run_serial() -> int | None:
+    """While the calling thread runs a worker's stage calls for the runtime (:func:`run`), a
+    number of that run alone; else ``None``. What a stage caches of its module's structure
+    holds for one serial: in between only stage calls ran, no code of the caller's (which
+    waits for the step), so a change of the module made since is one a stage made in its own
+    call."""
+    return getattr(_flag, "run", None)
+
+
+@contextlib.contextmanager
+def run() -> Iterator[None]:
+    """The runtime's block around a worker's stage calls (a step, or one half of a step run in
+    two calls): a new :func:`run_serial` inside it, the previous one after it."""
+    previous = getattr(_flag, "run", None)
+    _flag.run = next(_serials)  # next() on a count is atomic: no two runs share one
+    try:
+        yield
+    finally:
+        _flag.run = previous
 
 
 def flags(*, recomputing: bool = False, checkpointing: bool = False,

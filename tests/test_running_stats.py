@@ -165,3 +165,65 @@ def test_a_layer_replaced_between_steps_is_seen(checkpoint):
         if step == 2:  # a layer made a subclass in place: the structure is unchanged
             plain[4].__class__ = piped.partitions[1][1].__class__ = _Renorm
         _step_both(plain, piped, _batch(step), 1e-10)
+
+
+def test_changes_between_steps_are_seen_and_a_step_checks_each_structure_once_a_run(
+        monkeypatch):
+    """Within one run of the runtime (a step's forwards; its recomputes and backwards) only
+    stage calls run, so each partition's structure and its layers' hooks are looked at once
+    in it, not at every micro-batch: here 3 looks a step per partition (3 micro-batches,
+    recomputed: the forwards' run, the backwards' run, and the face's own look as it hands
+    over the buffers no recompute reads). What changes between steps is seen at the next one,
+    also where torch's registration hooks see nothing (a ``_modules`` entry written directly),
+    and a forward hook registered between steps, then removed, is honoured exactly while it
+    is there."""
+    from fpipe.stages.swap import Swap
+    looks = []
+    current = Swap._current
+    monkeypatch.setattr(Swap, "_current", lambda self: looks.append(self) or current(self))
+    plain = _model("plain")
+    piped = fpipe.GPipe(copy.deepcopy(plain), [3, 4], chunks=3, checkpoint="always")
+    for step in range(4):
+        if step == 1:  # a layer replaced under the same name, past Module.__setattr__
+            for partition in (plain, piped.partitions[0]):
+                new = _Renorm(8).double()
+                new.load_state_dict(partition[1].state_dict())
+                partition._modules["1"] = new
+        if step == 2:
+            handles = [m.register_forward_hook(_add_running_mean)
+                       for m in (plain[4], piped.partitions[1][1])]
+        if step == 3:
+            for handle in handles:
+                handle.remove()
+        looks.clear()
+        _step_both(plain, piped, _batch(step), 1e-10)
+        stages = [p.stage.swap for p in piped._pipelines.partitions]
+        assert [sum(look is s for look in looks) for s in stages] == [3, 3]
+
+
+def test_module_stages_honour_a_hook_registered_between_steps():
+    """The stages' own look at their layers' hooks, once a run: a forward hook that reads
+    the statistics, registered after a step and removed after the next, is honoured exactly
+    in the step it is there (the recompute then copies the statistics its forward saw)."""
+    plain = _model("plain")
+    s = fpipe.stages.from_sequential(copy.deepcopy(plain), [3, 4], stateful=True)
+    state = s.state
+
+    def loss_fn(y, target):
+        return (y.sin() * y).sum() * 9 / len(y)
+
+    with fpipe.pipeline(s.stages, s.params, state=state, schedule=gpipe(chunks=3, remat="always"),
+                        loss_fn=loss_fn) as pipe:
+        for step in range(3):
+            if step == 1:
+                handles = [m.register_forward_hook(_add_running_mean)
+                           for m in (plain[4], s.stages[1].module[1])]
+            if step == 2:
+                for handle in handles:
+                    handle.remove()
+            plain.zero_grad()
+            _plain_step(plain, _batch(step), 3)
+            _, grads, state = pipe.value_and_grad(_batch(step), torch.zeros(9), state=state)
+            got = {k: v for tree in grads for k, v in tree.items()}
+            for name, p in plain.named_parameters():
+                torch.testing.assert_close(got[name], p.grad, rtol=1e-10, atol=1e-10, msg=name)

@@ -145,3 +145,23 @@ def test_a_buffer_the_module_reassigns_comes_back_in_the_callers_dict_as_functio
     functional_call(module, called, (x,), strict=True)
     assert torch.equal(swapped["last"], x.mean(0)) and torch.equal(called["last"], x.mean(0))
     assert torch.equal(module.last, torch.zeros(3))  # the module's own is put back
+
+
+def test_within_one_run_of_the_runtime_the_structure_is_checked_once(monkeypatch):
+    """``structure(serial)``: one check per run serial (in a run only stage calls run), one per
+    call outside a run (``None``), and a change made between two runs is seen by the next."""
+    module, x = model(), torch.randn(5, 4)
+    swap, checks = Swap(module), []
+    current = Swap._current
+    monkeypatch.setattr(Swap, "_current", lambda self: checks.append(1) or current(self))
+    for serial in (1, 1, 1, 2, 2):
+        swap(others(module), (x,), swap.structure(serial))
+    assert len(checks) == 2
+    for _ in range(3):
+        swap(others(module), (x,), swap.structure(None))
+    assert len(checks) == 5
+    module[3]._modules["0"] = nn.Linear(8, 3, bias=False)  # no setattr: no hook of torch's
+    tensors = others(module)
+    y = swap(tensors, (x,), swap.structure(3))
+    assert len(checks) == 6 and swap.reads == 2
+    assert torch.equal(y, functional_call(module, tensors, (x,)))

@@ -22,9 +22,10 @@ So, for a layer whose forward is torch's own and runs no hook:
 
 A layer of another class (a subclass with its own forward, ``DeferredBatchNorm``), one with a
 forward hook (which could read the statistics), or any layer while a global forward hook is
-registered keeps the copies. Hooks and classes are looked at every call; a stage reads its
-layers again whenever its swap reads the module's structure again (a layer replaced, under
-the same names, between calls).
+registered keeps the copies. Hooks and classes are looked at once per run of the runtime
+(:func:`fpipe.recompute.run_serial`: in between only stage calls run) and at every call made
+outside one; a stage reads its layers again whenever its swap reads the module's structure
+again (a layer replaced, under the same names, between calls).
 """
 
 from __future__ import annotations
@@ -55,23 +56,26 @@ class RunningStats:
             if type(m).forward in _KNOWN)
         self._all = frozenset(name for _, names in self.layers for name in names)
         self._scratch = threading.local()
+        self._plain_in: tuple = (None, ())  # (the run serial, _plain's layers in it)
 
-    def uncopied(self, owned: bool) -> frozenset[str] | set[str]:
+    def uncopied(self, owned: bool, serial: int | None = None) -> frozenset[str] | set[str]:
         """The names a forward may pass uncopied: every layer's where the state is the step's
-        own (``owned``), else those of layers in evaluation."""
-        plain = self._plain()
+        own (``owned``), else those of layers in evaluation. ``serial``: the runtime's run
+        the call is in, if any (the layers' hooks are looked at once in it)."""
+        plain = self._plain(serial)
         if owned and len(plain) == len(self.layers):  # (every layer's: the usual case)
             return self._all
         return {name for m, names in plain if owned or not m.training for name in names}
 
-    def for_recompute(self, state: dict[str, torch.Tensor]) -> tuple[set[str], dict]:
+    def for_recompute(self, state: dict[str, torch.Tensor],
+                      serial: int | None = None) -> tuple[set[str], dict]:
         """``(uncopied, scratch)`` for a recompute from ``state``: layers in evaluation read
         their statistics as they are; layers in training get scratch tensors (kept per
         thread, reused from call to call)."""
         uncopied: set[str] = set()
         scratch: dict[str, torch.Tensor] = {}
         kept = self._scratch.__dict__
-        for m, names in self._plain():
+        for m, names in self._plain(serial):
             if not m.training:
                 uncopied.update(names)
                 continue
@@ -87,13 +91,20 @@ class RunningStats:
                 scratch[name] = entry[1]
         return uncopied, scratch
 
-    def _plain(self) -> tuple:
-        """The layers running no hook (none at all while a global forward hook is set)."""
+    def _plain(self, serial: int | None) -> tuple:
+        """The layers running no hook (none at all while a global forward hook is set), looked
+        at once per run ``serial``."""
+        if serial is not None and self._plain_in[0] == serial:
+            return self._plain_in[1]
         if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-            return ()
-        return tuple((m, names) for m, names in self.layers
-                     if type(m).forward in _KNOWN  # (not since made a subclass in place)
-                     and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__))
+            plain: tuple = ()
+        else:
+            plain = tuple(
+                (m, names) for m, names in self.layers
+                if type(m).forward in _KNOWN  # (not since made a subclass in place)
+                and not (m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__))
+        self._plain_in = (serial, plain)
+        return plain
 
 
 def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fpipe.recompute import is_recomputing, state_owned
+from fpipe.recompute import is_recomputing, run_serial, state_owned
 from fpipe.stages.materialize import Init, place_stages
 from fpipe.stages.module_skip import _Routed, route_module_skips
 from fpipe.stages.naming import Tie, find_ties, model_names, module_names
@@ -69,7 +69,7 @@ class ModuleStage:
         self.ties = ties
 
     def __call__(self, params: Tensors, x: Any) -> Any:
-        return self.swap(params, (x,))
+        return self.swap(params, (x,), self.swap.structure(run_serial()))
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
         """The model's name of ``tensor``, where it is one of the model's tensors."""
@@ -121,15 +121,16 @@ class StatefulModuleStage(ModuleStage):
         return self._running
 
     def __call__(self, params: Tensors, state: Tensors, x: Any) -> tuple[Any, Tensors]:
-        slots = self.swap.structure()  # checked once a call, before anything reads it
+        serial = run_serial()
+        slots = self.swap.structure(serial)  # checked once a run, before anything reads it
         running = self._current_running()
         if is_recomputing():
-            uncopied, scratch = running.for_recompute(state)
+            uncopied, scratch = running.for_recompute(state, serial)
             tensors = {name: scratch[name] if name in scratch else
                        buffer if name in uncopied else buffer.clone()
                        for name, buffer in state.items()}
         else:
-            uncopied = running.uncopied(state_owned())
+            uncopied = running.uncopied(state_owned(), serial)
             tensors = {name: buffer if name in uncopied else buffer.clone()
                        for name, buffer in state.items()}
         merged = {**tensors, **params}

@@ -52,6 +52,7 @@ class Swap:
         self._empty: tuple = ((), ())  # the (tables, keys) registered as None: still None?
         self._order: tuple = ((), (), ())
         self._n_params = 0  # the slots are the parameters' (in order), then the buffers'
+        self._checked_in: int | None = None  # the run serial of the last check, if in a run
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], args: tuple,
                  slots: Any = _UNCHECKED) -> Any:
@@ -86,10 +87,21 @@ class Swap:
                         tensors[name] = tensor
             deque(map(setitem, tables, keys, originals), maxlen=0)
 
-    def structure(self) -> dict[str, tuple[dict, str]] | None:
+    def structure(self, serial: int | None = None) -> dict[str, tuple[dict, str]] | None:
         """Each tensor name's table and key, the module's structure checked first and read
         again where it changed (:attr:`reads` counts the reads); ``None``: only
-        ``functional_call`` will do."""
+        ``functional_call`` will do.
+
+        ``serial``: the runtime's run the calling stage is in
+        (:func:`fpipe.recompute.run_serial`), in which the structure is checked once: within
+        one run only stage calls run, and a module that changes its own structure in its
+        forward (registers a buffer at its first call) runs on, for the rest of the run, as
+        the run found it, its new tensors its own, as a plain module's forward would; the next
+        run reads it again. A slot whose name is gone is noticed at once all the same
+        (:meth:`_slot_values`)."""
+        if serial is not None and serial == self._checked_in and self._read_once:
+            return self._slots
+        self._checked_in = serial
         return self._slots if self._current() else self._read()
 
     def named(self) -> tuple[dict, dict] | None:
