@@ -21,6 +21,8 @@ from fpipe._gpipe import arguments
 from fpipe._gpipe.run import Pipelines, Run, check_input, microbatches, recomputes, remat_of
 from fpipe._runtime.engine import check_untransformed
 from fpipe._runtime.step import Donated
+from fpipe.recompute import run as one_run
+from fpipe.recompute import run_serial
 from fpipe.stages.batchnorm import DeferredBatchNorm
 from fpipe.stages.module_skip import verify_skippables
 from fpipe.stages.swap import Swap
@@ -69,6 +71,12 @@ class GPipe(nn.Module):
         self._pipelines = Pipelines()
 
     def forward(self, input: Any) -> Any:
+        # One run from here to the return (see fpipe.recompute.run): nothing of the caller's
+        # runs in between, so the partitions' structure is checked once for the whole call.
+        with one_run():
+            return self._forward(input)
+
+    def _forward(self, input: Any) -> Any:
         params, buffers = self._named_tensors()
         check_untransformed("fpipe.GPipe's forward", input, params=params)
         check_input(input)
@@ -133,12 +141,12 @@ class GPipe(nn.Module):
         now, without walking the partitions at every call where their structure is as it was
         (:meth:`fpipe.stages.swap.Swap.named`): on a model of 800 tensors the two walks cost
         more than the rest of the face's per-call work."""
-        readers = self.__dict__.get("_readers")
+        readers = self._pipelines.swaps(self.partitions) or self.__dict__.get("_readers")
         if readers is None or [r.module for r in readers] != list(self.partitions):
             readers = self.__dict__["_readers"] = [Swap(p) for p in self.partitions]
-        params, buffers = [], []
+        params, buffers, serial = [], [], run_serial()
         for reader, partition in zip(readers, self.partitions):
-            named = reader.named()
+            named = reader.named(serial)
             if named is None:
                 named = dict(partition.named_parameters()), dict(partition.named_buffers())
             params.append(named[0])

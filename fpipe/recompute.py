@@ -47,24 +47,29 @@ _serials = itertools.count(1)
 
 
 def run_serial() -> int | None:
-    """While the calling thread runs a worker's stage calls for the runtime (:func:`run`), a
-    number of that run alone; else ``None``. What a stage caches of its module's structure
-    holds for one serial: in between only stage calls ran, no code of the caller's (which
-    waits for the step), so a change of the module made since is one a stage made in its own
+    """While the calling thread runs stage calls for the runtime (:func:`run`), a number of
+    that run alone; else ``None``. What a stage caches of its module's structure holds for one
+    serial: in between only fpipe's code and stage calls ran, no code of the caller's (which
+    waits for the run), so a change of the module made since is one a stage made in its own
     call."""
     return getattr(_flag, "run", None)
 
 
 @contextlib.contextmanager
 def run() -> Iterator[None]:
-    """The runtime's block around a worker's stage calls (a step, or one half of a step run in
-    two calls): a new :func:`run_serial` inside it, the previous one after it."""
-    previous = getattr(_flag, "run", None)
+    """The block of one run: a worker's stage calls (a step, or one half of a step run in two
+    calls), or a whole call of a face that runs nothing of its caller's inside
+    (``fpipe.GPipe``'s forward, whose checks of its partitions then count for its stages).
+    Inside one run a nested block is part of it (the same serial); the outermost gets a new
+    :func:`run_serial`, and ``None`` is restored after it."""
+    if getattr(_flag, "run", None) is not None:
+        yield
+        return
     _flag.run = next(_serials)  # next() on a count is atomic: no two runs share one
     try:
         yield
     finally:
-        _flag.run = previous
+        _flag.run = None
 
 
 def flags(*, recomputing: bool = False, checkpointing: bool = False,

@@ -169,14 +169,13 @@ def test_a_layer_replaced_between_steps_is_seen(checkpoint):
 
 def test_changes_between_steps_are_seen_and_a_step_checks_each_structure_once_a_run(
         monkeypatch):
-    """Within one run of the runtime (a step's forwards; its recomputes and backwards) only
-    stage calls run, so each partition's structure and its layers' hooks are looked at once
-    in it, not at every micro-batch: here 3 looks a step per partition (3 micro-batches,
-    recomputed: the forwards' run, the backwards' run, and the face's own look as it hands
-    over the buffers no recompute reads). What changes between steps is seen at the next one,
-    also where torch's registration hooks see nothing (a ``_modules`` entry written directly),
-    and a forward hook registered between steps, then removed, is honoured exactly while it
-    is there."""
+    """Within one run (see ``fpipe.recompute.run``) only fpipe's code and stage calls run,
+    so each partition's structure and its layers' hooks are looked at once in it, not at every
+    micro-batch: here 2 looks a step per partition (3 micro-batches, recomputed): the face's
+    call, whose forwards are part of its run, and the backwards' run. What changes between
+    steps is seen at the next one, also where torch's registration hooks see nothing (a
+    ``_modules`` entry written directly), and a forward hook registered between steps, then
+    removed, is honoured exactly while it is there."""
     from fpipe.stages.swap import Swap
     looks = []
     current = Swap._current
@@ -198,7 +197,7 @@ def test_changes_between_steps_are_seen_and_a_step_checks_each_structure_once_a_
         looks.clear()
         _step_both(plain, piped, _batch(step), 1e-10)
         stages = [p.stage.swap for p in piped._pipelines.partitions]
-        assert [sum(look is s for look in looks) for s in stages] == [3, 3]
+        assert [sum(look is s for look in looks) for s in stages] == [2, 2]
 
 
 def test_module_stages_honour_a_hook_registered_between_steps():

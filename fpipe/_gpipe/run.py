@@ -25,11 +25,12 @@ from torch import nn
 
 from fpipe.errors import StageError
 from fpipe.pipeline import Pipeline
-from fpipe.recompute import is_checkpointing
+from fpipe.recompute import is_checkpointing, run_serial
 from fpipe.schedules.actions import Action, B, F, Program
 from fpipe.schedules.remat import apply_remat
 from fpipe.stages.module_skip import route_module_skips
 from fpipe.stages.sequential import StatefulModuleStage, tensor_names
+from fpipe.stages.swap import Swap
 
 __all__: list[str] = []
 
@@ -174,11 +175,19 @@ class Pipelines:
                                        schedule=clock_program(microbatches, devices, remat))
         return self.built[key]
 
+    def swaps(self, partitions: nn.ModuleList) -> list[Swap] | None:
+        """The partitions' stages' swaps, once built for these very modules: the face reads
+        its tensors through them, so that its check of their structure counts for the
+        stages' calls in the same run (see :func:`fpipe.recompute.run`)."""
+        swaps = [p.stage.swap for p in self.partitions]
+        return swaps if [s.module for s in swaps] == list(partitions) and swaps else None
+
     def unread_by_recomputes(self) -> list[set[str]]:
         """Per partition, the buffers no recompute reads and no call writes where a
         recompute could see it: the running statistics of its plain normalisation layers
         (see :mod:`fpipe.stages.running`). Asked after :meth:`get`."""
-        return [p.stage.running().uncopied(owned=True) for p in self.partitions]
+        serial = run_serial()
+        return [p.stage.running(serial).uncopied(True, serial) for p in self.partitions]
 
     def __deepcopy__(self, memo: dict) -> Pipelines:
         return Pipelines()

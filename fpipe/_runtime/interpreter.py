@@ -20,7 +20,7 @@ from fpipe._runtime.skips import Skips
 from fpipe._runtime.step import Channel, Step
 from fpipe._runtime.stream import Transport
 from fpipe._runtime.workers import Aborted
-from fpipe.recompute import run as new_run
+from fpipe.recompute import run as one_run
 
 __all__ = ["Interpreter"]
 
@@ -79,8 +79,8 @@ class Interpreter:
         """Execute ``actions`` in order. A failure is recorded with :meth:`Step.fail`, located
         (stage, op, micro-batch); only interrupts propagate."""
         # Grad mode is the step's; the rest of the caller's thread-local state is carried. A
-        # new run serial: module stages check their modules once in it (see fpipe.recompute).
-        with new_run(), torch.enable_grad() if step.training else torch.no_grad(), \
+        # run (see fpipe.recompute): module stages check their modules once in it.
+        with one_run(), torch.enable_grad() if step.training else torch.no_grad(), \
                 _NOTHING if step.context is None else step.context.applied(step.training):
             self._run(step, actions, channel)
 

@@ -109,10 +109,11 @@ class StatefulModuleStage(ModuleStage):
         self._running = RunningStats(module)
         self._read = self.swap.reads  # the swap's read of the structure _running follows
 
-    def running(self) -> RunningStats:
+    def running(self, serial: int | None = None) -> RunningStats:
         """The running statistics of the module as it is now: read again after a change of
-        its structure (a layer replaced between calls, under the same names)."""
-        self.swap.structure()
+        its structure (a layer replaced between calls, under the same names). ``serial``:
+        the run the caller is in (:func:`~fpipe.recompute.run_serial`), if any."""
+        self.swap.structure(serial)
         return self._current_running()
 
     def _current_running(self) -> RunningStats:

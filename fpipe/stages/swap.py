@@ -104,14 +104,15 @@ class Swap:
         self._checked_in = serial
         return self._slots if self._current() else self._read()
 
-    def named(self) -> tuple[dict, dict] | None:
+    def named(self, serial: int | None = None) -> tuple[dict, dict] | None:
         """``(dict(module.named_parameters()), dict(module.named_buffers()))`` as they are
         now, read from the tables they live in (no walk of the module, which costs a model of
         800 tensors milliseconds a call); ``None`` where only those walks will do (a structure
         :meth:`_read` leaves to ``functional_call``, a tensor set to ``None`` since). A tensor
         registered under a second name since (a tie) is given under both, as the module now
-        uses it under both: its gradient is the sum, as in plain PyTorch."""
-        if self.structure() is None:
+        uses it under both: its gradient is the sum, as in plain PyTorch. ``serial``: as
+        for :meth:`structure`."""
+        if self.structure(serial) is None:
             return None
         values = self._slot_values()
         if values is None or any(map(is_, values, repeat(None))):
