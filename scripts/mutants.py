@@ -307,8 +307,8 @@ MUTANTS = (
            "    return state is not None and state is not step.given_state[stage]",
            "    return state is not None", ("tests/test_state.py",)),
     Mutant("every buffer of a module stage updated in place when owned", "stages/sequential.py",
-           "uncopied = running.uncopied(state_owned())",
-           "uncopied = state.keys() if state_owned() else running.uncopied(False)",
+           "uncopied = running.uncopied(state_owned(), serial)",
+           "uncopied = state.keys() if state_owned() else running.uncopied(False, serial)",
            ("tests/test_state.py",)),
     Mutant("a frozen parameter counted trainable by the per-type look", "_runtime/values.py",
            "if not any(issubclass(kind, torch.nn.Parameter) for kind in set(map(type, leaves))):",
@@ -347,13 +347,14 @@ MUTANTS = (
            "stages/sequential.py", "if self.swap.reads != self._read:", "if False:",
            ("tests/test_running_stats.py",)),
     Mutant("GPipe's copies chosen by the layers before a replacement", "_gpipe/run.py",
-           "p.stage.running().uncopied(owned=True)", "p.stage._running.uncopied(owned=True)",
+           "p.stage.running(serial).uncopied(True, serial)",
+           "p.stage._running.uncopied(True, serial)",
            ("tests/test_running_stats.py",)),
     # (The per-call class check also covers a subclass with its own forward from the start;
     # the same check at build only keeps the per-call loop short: no mutant of its own.)
     Mutant("a normalisation subclass's statistics uncopied", "stages/running.py",
-           "                     if type(m).forward in _KNOWN  # (not since made a subclass "
-           "in place)\n", "                     if True\n", ("tests/test_running_stats.py",)),
+           "                if type(m).forward in _KNOWN  # (not since made a subclass in "
+           "place)\n", "                if True\n", ("tests/test_running_stats.py",)),
     Mutant("GPipe's buffers a recompute reads handed over uncopied", "module.py",
            "b if name in unread else b.clone()", "b", ("tests/test_running_stats.py",)),
     Mutant("a face's pipeline reused for a model whose structure changed", "_gpipe/run.py",
