@@ -381,10 +381,10 @@ class DistributedPipeline:
                             state=state)
         check_call(self._sharded, params, call == 2)
         self._accumulated.check_call(call == 2)
-        leaves = None if self._sharded else self.held.param_leaves(params, self.params,
-                                                                   self._sources)
-        states = self.held.states(state, self.state)
         training = call > 0
+        leaves = None if self._sharded else self.held.param_leaves(params, self.params,
+                                                                   self._sources, training)
+        states = self.held.states(state, self.state)
         if training:
             check_training()
         self.driver.calls += 1
@@ -394,7 +394,7 @@ class DistributedPipeline:
         replica = self._results.replica(n, self.chunks, training, self.stateful, carry,
                                         not accumulate)
         if self._sharded is not None:  # FSDP2's all-gather, once the step is agreed
-            leaves = self.held.param_leaves(None, self._sharded.gather())
+            leaves = self.held.param_leaves(None, self._sharded.gather(), None, training)
         step, channel = self.driver.faults.guarded(lambda: self.driver.new_step(
             program, training, call == 2, leaves, states, x, target, n, seed_value, record,
             self.stateful, posted))

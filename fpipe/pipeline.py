@@ -307,7 +307,7 @@ class Pipeline:
         check_untransformed(f"Pipeline {entry}", x, params=params, state=state)
         if training:
             check_training()
-        leaves, states = self._param_leaves(params), self._state(state)
+        leaves, states = self._param_leaves(params, training), self._state(state)
         n = microbatch.batch_size(x, "input")
         inputs = microbatch.split(self._to(x, self.devices[0]), self.chunks, "input")
         return (leaves, states, n, [flatten(mb) for mb in inputs],
@@ -337,7 +337,8 @@ class Pipeline:
         return (f"Pipeline({len(self.stages)} stages on {[str(d) for d in self.devices]}, "
                 f"schedule={self.schedule!r})")
 
-    def _param_leaves(self, params: Sequence[Any] | None) -> list[list[torch.Tensor]]:
+    def _param_leaves(self, params: Sequence[Any] | None,
+                      training: bool = False) -> list[list[torch.Tensor]]:
         if params is None:
             params = self.params
         else:
@@ -350,7 +351,7 @@ class Pipeline:
                     raise ValueError(f"params[{s}] has structure {optree.tree_structure(tree)}, "
                                      f"but the pipeline was built with {spec}")
             check_params(dict(enumerate(params)), self.devices)
-        leaves = [param_leaves(p) for p in params]
+        leaves = [param_leaves(p, training) for p in params]
         return follow(leaves, self._sources) if any(self._sources) else leaves
 
     def _state(self, state: Sequence[Any] | None) -> list:

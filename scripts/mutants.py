@@ -376,6 +376,13 @@ MUTANTS = (
            "if serial is not None and serial == self._checked_in and self._read_once:",
            "if self._checked_in is not None and self._read_once:",
            ("tests/test_swap.py", "tests/test_running_stats.py")),
+    Mutant("a training step's leaf made again from the leaf it took", "_runtime/step.py",
+           "made = self.made[stage] = params if all(map(_REQUIRES_GRAD, params)) else \\\n",
+           "made = self.made[stage] = [p.detach().requires_grad_() for p in params] if True "
+           "else \\\n", ("tests/test_engines.py",)),
+    Mutant("a caller's plain tensor made a leaf in place", "_runtime/step.py",
+           "[p if p.requires_grad else p.detach().requires_grad_() for p in params]",
+           "[p.requires_grad_() for p in params]", ("tests/test_engines.py",)),
     Mutant("a run nested in another given a serial of its own", "recompute.py",
            '    if getattr(_flag, "run", None) is not None:\n        yield\n        return\n',
            "", ("tests/test_running_stats.py",)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
@@ -17,6 +18,8 @@ from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
 __all__ = ["Step", "Donated", "Ends", "Vjp", "GradSums", "TrainResult", "Channel", "plus"]
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 class TrainResult:
@@ -177,13 +180,16 @@ class GradSums:
 
     def leaves(self, stage: int, params: list) -> list:
         """The step's leaves for ``stage``'s trainable parameters (of ``params``): detached,
-        requiring grad."""
+        requiring grad. A training step's parameters are such leaves already where the
+        caller's required grad (:func:`~fpipe._runtime.values.param_leaves`), made for the
+        step and held by nothing else: those are taken as they are."""
         made = self.made[stage]
         if made is None:
             index = self.trainable[stage]
             if index is not None:
                 params = [params[i] for i in index]
-            made = self.made[stage] = [p.detach().requires_grad_() for p in params]
+            made = self.made[stage] = params if all(map(_REQUIRES_GRAD, params)) else \
+                [p if p.requires_grad else p.detach().requires_grad_() for p in params]
         return made
 
     def requiring(self, stage: int, params: list) -> list:

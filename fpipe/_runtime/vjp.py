@@ -111,12 +111,14 @@ def _split_grads(grads: tuple | list | None, params: list, inputs: list) -> tupl
 
 def public_func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
     """``torch.func.vjp`` itself, with the engines' signature."""
+    params = _constants(params)
     outs, vjp_fn, aux = _torch_func_vjp(fn, params, inputs, has_aux=True)
     return outs, lambda cotangents: tuple(vjp_fn(list(cotangents))), aux
 
 
 def _func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
     """What ``torch.func.vjp(fn, params, inputs, has_aux=True)`` runs, on the lists."""
+    params = _constants(params)
     with torch.autograd.graph.disable_saved_tensors_hooks(_HOOKS):
         level = _grad_increment_nesting()
         try:
@@ -148,6 +150,13 @@ def _func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
 
 
 func_vjp = public_func_vjp if _grad_increment_nesting is None else _func_vjp
+
+
+def _constants(params: list) -> list:
+    """A training step's parameters are its own leaves, requiring grad (see
+    ``fpipe._runtime.values.param_leaves``): the transform is given them detached, so that
+    no graph is recorded around it as well."""
+    return [p.detach() if p.requires_grad else p for p in params]
 
 
 class _inference_mode_off:

@@ -73,11 +73,12 @@ class Held(NamedTuple):
     n_stages: int
 
     def param_leaves(self, params: Mapping[int, Any] | None, built: Mapping[int, Any],
-                     sources: list | None = None) -> list:
+                     sources: list | None = None, training: bool = False) -> list:
         """Per stage of the whole pipeline, this rank's parameter leaves (``None`` for the
         others): ``params`` of a call, checked, or the ones the pipeline was ``built`` with;
         with ``sources``, those that follow a model parameter (:func:`~fpipe._runtime.sources.
-        follow`) follow it."""
+        follow`) follow it; in ``training``, the step's own leaves (see
+        :func:`~fpipe._runtime.values.param_leaves`)."""
         if params is None:
             params = built
         else:
@@ -90,7 +91,7 @@ class Held(NamedTuple):
                                      f"{optree.tree_structure(params[s])}, but the pipeline was "
                                      f"built with {self.specs[s]}")
             check_params(params, {s: self.device for s in self.stages})
-        leaves = [param_leaves(params[s]) if s in params else None
+        leaves = [param_leaves(params[s], training) if s in params else None
                   for s in range(self.n_stages)]
         return follow(leaves, sources) if sources and any(sources) else leaves
 
