@@ -8,9 +8,10 @@ flags are per thread, since each worker of the local driver runs on its own thre
 One more flag is the runtime's own: :func:`state_owned` is true in a stateful stage's call
 whose state the step made (not the caller's), which the stage may update in place instead of
 copying first, except what its recompute would read: the state a forward saw is what its
-recompute starts from. And :func:`run_serial` names the worker's run of stage calls that the
-thread is in (a step, or one half of a step run in two calls), so that a module stage checks
-its module's structure once per run instead of once per call.
+recompute starts from. And :func:`run_serial` names the run the thread is in (a worker's stage
+calls for a step or half a step, or a whole ``fpipe.GPipe`` forward: blocks in which none of
+the caller's code runs), so that a module stage checks its module's structure once per run
+instead of once per call.
 """
 
 from __future__ import annotations
