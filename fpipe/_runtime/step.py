@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
@@ -18,8 +17,6 @@ from fpipe._runtime.workers import Inbox
 from fpipe.timeline import StepClock
 
 __all__ = ["Step", "Donated", "Ends", "Vjp", "GradSums", "TrainResult", "Channel", "plus"]
-
-_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 class TrainResult:
@@ -188,8 +185,8 @@ class GradSums:
             index = self.trainable[stage]
             if index is not None:
                 params = [params[i] for i in index]
-            made = self.made[stage] = params if all(map(_REQUIRES_GRAD, params)) else \
-                [p if p.requires_grad else p.detach().requires_grad_() for p in params]
+            made = self.made[stage] = [p if p.requires_grad else p.detach().requires_grad_()
+                                       for p in params]
         return made
 
     def requiring(self, stage: int, params: list) -> list:
