@@ -11,6 +11,7 @@ node around :meth:`fpipe.Pipeline.vjp` (see :mod:`fpipe._gpipe.run`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from operator import is_
 from typing import Any
 
 import optree
@@ -100,7 +101,8 @@ class GPipe(nn.Module):
         if recomputes(remat, m) and any(buffers):
             # A recompute runs on the buffers its forward saw, which _commit below overwrites
             # in place (as a plain forward would): it gets copies of those it reads.
-            state = [Donated({name: b if name in unread else b.clone()
+            state = [Donated(named if unread.issuperset(named) else
+                             {name: b if name in unread else b.clone()
                               for name, b in named.items()})
                      for named, unread in zip(buffers, self._pipelines.unread_by_recomputes())]
 
@@ -172,6 +174,8 @@ def _commit(buffers: list[dict[str, torch.Tensor]],
     place, as a plain forward would leave them."""
     with torch.no_grad():
         for held, new in zip(buffers, new_state):
+            if all(map(is_, map(new.__getitem__, held), held.values())):
+                continue  # (every buffer updated where it is: the usual case, a loop in C)
             for name, buffer in held.items():
                 if new[name] is not buffer:  # not updated where it is
                     buffer.copy_(new[name])

@@ -18,7 +18,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 @pytest.mark.parametrize("script", [
     "dispatch_overhead.py", "simulated_vs_measured.py", "memory.py", "split_backward.py",
-    "resnet101.py", "search.py", "gpu.py", "amoeba.py",
+    "resnet101.py", "search.py", "gpu.py", "amoeba.py", "instructions.py",
     # [bench]: without numpy, torch.distributed.pipelining's rows are marked not run.
     pytest.param("cpu_scaling.py", marks=pytest.mark.needs_extra),
     pytest.param("transformer_ranks.py", marks=pytest.mark.needs_extra),

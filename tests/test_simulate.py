@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 from schedule_strategies import needs, programs
 
 from fpipe.schedules import Costs, Op, Program, gpipe, in_flight, one_f_one_b, simulate
+from fpipe.schedules.actions import Action, Overlap
+
+F, B = Op.FORWARD, Op.BACKWARD
 
 stages = st.integers(1, 8)
 chunks = st.integers(1, 16)
@@ -134,3 +137,20 @@ def test_costs_are_hashable_values():
     assert hash(Costs(forward=[1, 2])) == hash(Costs(forward=(1.0, 2.0)))
     assert Costs().of(Op.RECOMPUTE, 0) == 1.0
 
+
+
+def test_a_worker_busy_all_the_time_has_no_bubble_whatever_the_rounding():
+    """A one-worker program with overlapped pairs, whose busy time and span ends are summed in
+    different orders (found by hypothesis: its useful fraction rounded to 1 + 2e-16, its
+    bubble to -2e-16)."""
+    order = [(0, F, 0), (0, F, 1), (1, F, 0), (0, F, 2), (0, F, 3), (1, F, 1), (2, F, 0),
+             (3, F, 0), (3, B, 0), (1, F, 2), (2, B, 0), (1, F, 3), (2, F, 1), (1, B, 0),
+             (2, F, 2), (0, B, 0), (2, F, 3), (3, F, 1), (3, F, 2), (3, F, 3), (3, B, 1),
+             (3, B, 2), (3, B, 3), (2, B, 1), (2, B, 2), (2, B, 3), (1, B, 1), (1, B, 2),
+             (1, B, 3), (0, B, 1), (0, B, 2), (0, B, 3)]
+    pairs = [((1, 2), (2, 0)), ((2, 2), (0, 0)), ((2, 1), (1, 0))]
+    program = Program((tuple(Action(s, op, m) for s, op, m in order),), 4, 4,
+                      frozenset(Overlap(Action(f[0], F, f[1]), Action(b[0], B, b[1]))
+                                for f, b in pairs))
+    sim = simulate(program, Costs(forward=(1.0,) * 4, backward=1.1204441037524429))
+    assert sim.bubble == 0.0 and sim.breakdown.useful == 1.0 and sim.breakdown.idle == 0.0

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fpipe.recompute import flags
+from fpipe.stages.sequential import ModuleStage, StatefulModuleStage
 from fpipe.stages.swap import Swap
 
 
@@ -165,3 +167,40 @@ def test_within_one_run_of_the_runtime_the_structure_is_checked_once(monkeypatch
     y = swap(tensors, (x,), swap.structure(3))
     assert len(checks) == 6 and swap.reads == 2
     assert torch.equal(y, functional_call(module, tensors, (x,)))
+
+
+@pytest.mark.parametrize("owned", [False, True])
+@pytest.mark.parametrize("order", ["the module's", "reversed"])
+def test_a_stage_given_its_names_in_any_order_calls_as_functional_call(order, owned):
+    """A module stage's call takes its tensors in the module's order without looking a name
+    up, and any other order by name: both as functional_call, the caller's dicts left as
+    they were, a reassigned buffer in the new state (a new dict either way)."""
+    module = nn.Sequential(model(), _Reassigns())
+    stage, x = StatefulModuleStage(module), torch.randn(5, 4)
+    tensors = others(module)
+    names = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_buffers()]
+    if order == "reversed":
+        names = names[0][::-1], names[1][::-1]
+    params, state = ({n: tensors[n] for n in group} for group in names)
+    expected_state = {**params, **{n: t.clone() for n, t in state.items()}}
+    expected = functional_call(module, expected_state, (x,), strict=True)  # writes 1.last
+    given, before = dict(state), own(module)
+    with flags(owned=owned):
+        y, new_state = stage(params, state, x)
+    assert torch.equal(y, expected)
+    assert new_state is not state and state == given  # the same tensors under the same names
+    assert list(new_state) == list(state)
+    for name, t in new_state.items():
+        assert torch.equal(t, expected_state[name]), name
+    assert new_state["1.last"] is not state["1.last"]  # reassigned by the forward
+    assert (new_state["0.1.running_mean"] is state["0.1.running_mean"]) == owned
+    assert all(a is b for a, b in zip(own(module), before))  # the module's own put back
+
+
+def test_a_stage_without_buffers_calls_as_functional_call_in_any_order():
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    stage, x = ModuleStage(module), torch.randn(5, 4)
+    tensors = others(module)
+    for names in (list(tensors), list(tensors)[::-1]):
+        params = {n: tensors[n] for n in names}
+        assert torch.equal(stage(params, x), functional_call(module, params, (x,)))

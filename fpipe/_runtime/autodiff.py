@@ -8,6 +8,7 @@ adapted away before, so what remains here is differentiation and the purity chec
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -114,13 +115,14 @@ class StageCall:
             if new_state is not None:
                 state_leaves, state_spec = optree.tree_flatten(new_state)
                 # Tensors that carry no gradient leave the transform as aux, which unwraps them.
-                state_kept = [i for i, leaf in enumerate(state_leaves)
-                              if isinstance(leaf, torch.Tensor)]
+                state_kept = _tensor_indices(state_leaves)
             outs = self._outputs(results, mb.size)
             grads, kept = _split_outputs(outs)
             side.extend((outs, kept, state_leaves, state_spec, state_kept))
             aux = [outs[k].leaves[i] for k, i in kept] if kept else []
-            if state_kept:
+            if len(state_kept) == len(state_leaves):  # (every leaf a tensor: the usual case)
+                aux += state_leaves
+            elif state_kept:
                 aux += [state_leaves[i] for i in state_kept]
             return grads, aux
 
@@ -160,8 +162,11 @@ class StageCall:
             outs[k].leaves[i] = leaf
         new_state = None
         if state_spec is not None:
-            for i, leaf in zip(state_kept, aux[len(kept):]):
-                state_leaves[i] = leaf
+            if len(state_kept) == len(state_leaves):
+                state_leaves = aux[len(kept):]
+            else:
+                for i, leaf in zip(state_kept, aux[len(kept):]):
+                    state_leaves[i] = leaf
             new_state = optree.tree_unflatten(state_spec, state_leaves)
         k = 0
         for out in outs:
@@ -192,6 +197,14 @@ def _signature(inputs: tuple[Value, ...]) -> tuple:
     reach other tensors) for another shape, so each is searched once."""
     return tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None
                  for value in inputs for leaf in value.leaves)
+
+
+def _tensor_indices(leaves: list) -> range | list[int]:
+    """The indices of ``leaves`` that are tensors: all of them (a ``range``, found by a loop in
+    C) for a stateful stage's buffers, hundreds a call in a model of many BatchNorms."""
+    if all(map(isinstance, leaves, repeat(torch.Tensor))):
+        return range(len(leaves))
+    return [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
 
 def _requiring(value: Value) -> Any:
@@ -242,7 +255,8 @@ class _Watch:
                 leaves += value.leaves
             elif len(skip) < len(value.leaves):  # (else every leaf is differentiated)
                 leaves += [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        tensors = leaves if all(map(isinstance, leaves, repeat(torch.Tensor))) else \
+            [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         try:  # (map: a loop in C, over hundreds of tensors a call in a model of many)
             versions = list(map(_VERSION, tensors))
         except RuntimeError:  # an inference tensor (torch.inference_mode) keeps no version

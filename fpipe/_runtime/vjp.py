@@ -26,6 +26,7 @@ function ``torch.autograd.grad`` ends in, once the cotangents are checked to fit
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 
 import torch
 from torch.func import vjp as _torch_func_vjp
@@ -149,6 +150,8 @@ def _func_vjp(fn: Callable, params: list, inputs: list) -> tuple:
     return results, vjp_fn, aux
 
 
+_REQUIRES_GRAD = attrgetter("requires_grad")
+
 func_vjp = public_func_vjp if _grad_increment_nesting is None else _func_vjp
 
 
@@ -220,5 +223,10 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
 def _detached(values: list) -> list:
     """``values`` out of the graph: a tensor that requires grad detached, the rest as they are
     (a stateful stage's running statistics, hundreds a call in a model of many BatchNorms)."""
+    try:  # (none requires grad, the usual case: one loop in C)
+        if not any(map(_REQUIRES_GRAD, values)):
+            return values
+    except AttributeError:  # a value that is not a tensor
+        pass
     return [v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v
             for v in values]

@@ -133,7 +133,9 @@ def simulate(program: Program, costs: Costs | None = None,
     makespan = max(free)
     total = program.n_workers * makespan
     useful = busy - recompute
-    breakdown = (Breakdown(useful / total, recompute / total, overhead / total,
+    # (useful / total may round past 1 where the spans' ends and the busy time are summed
+    # in another order: a worker busy all the time is busy all the time, no more)
+    breakdown = (Breakdown(min(1.0, useful / total), recompute / total, overhead / total,
                            max(0.0, 1.0 - (useful + recompute + overhead) / total))
                  if total > 0 else Breakdown(0.0, 0.0, 0.0, 0.0))
     return Simulation(

@@ -31,6 +31,7 @@ again (a layer replaced, under the same names, between calls).
 from __future__ import annotations
 
 import threading
+from operator import is_, itemgetter
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ class RunningStats:
                       for name, b in m._buffers.items() if b is not None))
             for prefix, m in module.named_modules(remove_duplicate=False)
             if type(m).forward in _KNOWN)
-        self._all = frozenset(name for _, names in self.layers for name in names)
+        self._names = tuple(name for _, names in self.layers for name in names)
+        self._all = frozenset(self._names)
         self._scratch = threading.local()
         self._plain_in: tuple = (None, ())  # (the run serial, _plain's layers in it)
 
@@ -73,9 +75,17 @@ class RunningStats:
         their statistics as they are; layers in training get scratch tensors (kept per
         thread, reused from call to call)."""
         uncopied: set[str] = set()
-        scratch: dict[str, torch.Tensor] = {}
         kept = self._scratch.__dict__
-        for m, names in self._plain(serial):
+        plain = self._plain(serial)
+        if len(plain) == len(self.layers) and all(m.training for m, _ in plain):
+            # (the usual case, every layer plain and in training, each name's scratch made
+            # for this very tensor: looked up with loops in C, hundreds a call)
+            entries = list(map(kept.get, self._names))
+            if None not in entries and all(map(is_, map(itemgetter(0), entries),
+                                               map(state.get, self._names))):
+                return uncopied, dict(zip(self._names, map(itemgetter(1), entries)))
+        scratch: dict[str, torch.Tensor] = {}
+        for m, names in plain:
             if not m.training:
                 uncopied.update(names)
                 continue

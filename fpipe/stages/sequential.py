@@ -69,7 +69,10 @@ class ModuleStage:
         self.ties = ties
 
     def __call__(self, params: Tensors, x: Any) -> Any:
-        return self.swap(params, (x,), self.swap.structure(run_serial()))
+        slots = self.swap.structure(run_serial())
+        given = self.swap.ordered(params, {}, slots)
+        result = None if given is None else self.swap.call(given, (x,))
+        return self.swap(params, (x,), slots) if result is None else result[0]
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
         """The model's name of ``tensor``, where it is one of the model's tensors."""
@@ -127,13 +130,24 @@ class StatefulModuleStage(ModuleStage):
         running = self._current_running()
         if is_recomputing():
             uncopied, scratch = running.for_recompute(state, serial)
-            tensors = {name: scratch[name] if name in scratch else
-                       buffer if name in uncopied else buffer.clone()
-                       for name, buffer in state.items()}
+            tensors = {**state, **scratch} if len(scratch) == len(state) else \
+                {name: scratch[name] if name in scratch else
+                 buffer if name in uncopied else buffer.clone()
+                 for name, buffer in state.items()}
         else:
             uncopied = running.uncopied(state_owned(), serial)
-            tensors = {name: buffer if name in uncopied else buffer.clone()
-                       for name, buffer in state.items()}
+            tensors = state if uncopied.issuperset(state) else \
+                {name: buffer if name in uncopied else buffer.clone()
+                 for name, buffer in state.items()}
+        given = self.swap.ordered(params, tensors, slots)
+        result = None if given is None else self.swap.call(given, (x,))
+        if result is not None:  # (the usual case: no name looked up, no dict merged)
+            y, reassigned = result
+            if reassigned is None:
+                return y, dict(tensors)
+            return y, dict(zip(tensors, reassigned))
+        if tensors is state:  # (functional_call may write a reassigned buffer back)
+            tensors = dict(state)
         merged = {**tensors, **params}
         if len(merged) < len(tensors) + len(params):  # a name given twice: functional_call's
             return torch.func.functional_call(self.module, (params, tensors), (x,)), tensors

@@ -62,30 +62,56 @@ class Swap:
         if slots is None or len(tensors) != len(slots):
             given = tensors if isinstance(tensors, dict) else dict(tensors)
             return functional_call(self.module, given, args, strict=True)
-        originals = self._slot_values()
-        names, tables, keys = self._order
+        names = self._order[0]
         try:  # as many names as slots, each found: the slots' names
-            given = None if originals is None else list(map(tensors.__getitem__, names))
-        except KeyError:
-            given = None
-        if given is None:  # a name replaced by another, or missing: functional_call's error
+            given = list(map(tensors.__getitem__, names))
+        except KeyError:  # a name replaced by another, or missing: functional_call's error
             return functional_call(self.module, dict(tensors), args, strict=True)
+        result = self._run(given, args)
+        if result is None:  # a slot's name is gone from its table: functional_call's checks
+            return functional_call(self.module, dict(tensors), args, strict=True)
+        y, now = result
+        # A buffer the module reassigned (not updated in place) comes back in the caller's
+        # dict, as functional_call writes it back. (A parameter can be reassigned only by a
+        # new nn.Parameter, which no stage's caller reads back: not looked for.)
+        if now is not None and isinstance(tensors, dict):
+            tensors.update(zip(names[self._n_params:], now))
+        return y
+
+    def ordered(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                slots: Any) -> list | None:
+        """``params``' tensors then ``buffers``', as :meth:`call` takes them, where each gives
+        exactly the slots' names in the slots' order (a stage's dicts, built from the module's
+        own names, do: no name is looked up); else ``None`` (:meth:`__call__`, by name)."""
+        if slots is None or len(params) + len(buffers) != len(slots):
+            return None
+        names, n = self._order[0], self._n_params
+        if tuple(params) != names[:n] or tuple(buffers) != names[n:]:
+            return None
+        return [*params.values(), *buffers.values()]
+
+    def call(self, given: list, args: tuple) -> tuple[Any, list | None] | None:
+        """The module called on ``given`` (what :meth:`ordered` returned, just now):
+        ``(output, buffers)``, ``buffers`` the tensors in the buffer slots after the call
+        where the module reassigned one (``None`` where none was), in slot order. ``None``
+        where a slot's name is gone from its table (the module is then left untouched)."""
+        return self._run(given, args)
+
+    def _run(self, given: list, args: tuple) -> tuple[Any, list | None] | None:
+        originals = self._slot_values()
+        if originals is None:
+            return None
+        _, tables, keys = self._order
         # Each loop over every tensor runs in C (map): a model of 800 tensors is swapped in
         # and out at every call of every micro-batch.
         deque(map(setitem, tables, keys, given), maxlen=0)
         try:
-            return self.module(*args)
+            y = self.module(*args)
         finally:
-            # A buffer the module reassigned (not updated in place) comes back in the caller's
-            # dict, as functional_call writes it back. (A parameter can be reassigned only
-            # by a new nn.Parameter, which no stage's caller reads back: not looked for.)
             n = self._n_params
             now = list(map(getitem, tables[n:], keys[n:]))
-            if isinstance(tensors, dict) and not all(map(is_, now, given[n:])):
-                for name, tensor, was in zip(names[n:], now, given[n:]):
-                    if tensor is not was:
-                        tensors[name] = tensor
             deque(map(setitem, tables, keys, originals), maxlen=0)
+        return y, None if all(map(is_, now, given[n:])) else now
 
     def structure(self, serial: int | None = None) -> dict[str, tuple[dict, str]] | None:
         """Each tensor name's table and key, the module's structure checked first and read
