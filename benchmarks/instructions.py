@@ -141,12 +141,12 @@ def main() -> None:
             row["instructions_M"] = "not run"
         else:
             total, libraries = counts[face] = counted(face, args.steps, units)
-            row["instructions_M"] = round(total / 1e6, 1)
+            row["instructions_M"] = round(total / 1e6)
             for library in ("libtorch_cpu", "libpython", "libc", "other"):
-                row[f"{library}_M"] = round(libraries[library] / 1e6, 1)
+                row[f"{library}_M"] = round(libraries[library] / 1e6)
         rows.append(row)
     if len(counts) == 2:
-        rows[0]["vs_torchgpipe"] = round(counts["fpipe"][0] / counts["torchgpipe"][0], 4)
+        rows[0]["vs_torchgpipe"] = round(counts["fpipe"][0] / counts["torchgpipe"][0], 3)
     columns = list(dict.fromkeys(k for row in rows for k in row))
     tensors = len(list(amoeba_like(16, units).parameters()))
     report(f"fpipe.GPipe vs torchgpipe: CPU instructions per training step (callgrind), "
