@@ -8,7 +8,6 @@ adapted away before, so what remains here is differentiation and the purity chec
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -19,7 +18,15 @@ from fpipe._runtime.adapters import Core, MicroBatch
 from fpipe._runtime.given import check_given
 from fpipe._runtime.reentrant import check_no_reentrant_checkpoint
 from fpipe._runtime.split_backward import split_vjp
-from fpipe._runtime.values import Value, check_output, describe, flatten, placed
+from fpipe._runtime.values import (
+    Value,
+    check_output,
+    describe,
+    flatten,
+    placed,
+    tensors_of,
+    tensors_only,
+)
 from fpipe._runtime.vjp import autograd_vjp, func_vjp
 from fpipe.errors import StageError
 from fpipe.recompute import state_owned
@@ -202,7 +209,7 @@ def _signature(inputs: tuple[Value, ...]) -> tuple:
 def _tensor_indices(leaves: list) -> range | list[int]:
     """The indices of ``leaves`` that are tensors: all of them (a ``range``, found by a loop in
     C) for a stateful stage's buffers, hundreds a call in a model of many BatchNorms."""
-    if all(map(isinstance, leaves, repeat(torch.Tensor))):
+    if tensors_only(leaves):
         return range(len(leaves))
     return [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -255,8 +262,7 @@ class _Watch:
                 leaves += value.leaves
             elif len(skip) < len(value.leaves):  # (else every leaf is differentiated)
                 leaves += [leaf for j, leaf in enumerate(value.leaves) if j not in skip]
-        tensors = leaves if all(map(isinstance, leaves, repeat(torch.Tensor))) else \
-            [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        tensors = tensors_of(leaves)
         try:  # (map: a loop in C, over hundreds of tensors a call in a model of many)
             versions = list(map(_VERSION, tensors))
         except RuntimeError:  # an inference tensor (torch.inference_mode) keeps no version

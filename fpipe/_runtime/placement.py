@@ -13,18 +13,13 @@ from typing import Any
 import optree
 import torch
 
+from fpipe._runtime.values import tensors_of, tensors_only
 from fpipe.errors import PlacementError
 
 __all__ = ["device_of", "check_params", "check_state", "stage_devices"]
 
 
 _DTYPE, _DEVICE = attrgetter("dtype"), attrgetter("device")
-
-
-def _tensors_only(leaves: list) -> bool:
-    """Whether every leaf is a tensor: one look per type, not per leaf (a face checks the
-    hundreds of leaves of its parameters at every call)."""
-    return all(issubclass(kind, torch.Tensor) for kind in set(map(type, leaves)))
 
 
 def _path(path: tuple) -> str:
@@ -45,7 +40,7 @@ def check_params(params: Mapping[int, Any],
     for the message: a face checks its parameters at every call.)"""
     for s, tree in params.items():
         leaves = optree.tree_leaves(tree)
-        if _tensors_only(leaves) and all(dtype.is_floating_point or dtype.is_complex
+        if tensors_only(leaves) and all(dtype.is_floating_point or dtype.is_complex
                                          for dtype in set(map(_DTYPE, leaves))):
             _check_devices(s, tree, devices[s], "params", "parameter", leaves)
             continue
@@ -72,8 +67,7 @@ def check_state(state: Mapping[int, Any],
 def _check_devices(stage: int, tree: Any, device: torch.device, name: str, what: str,
                    leaves: list | None = None) -> None:
     leaves = optree.tree_leaves(tree) if leaves is None else leaves
-    tensors = leaves if _tensors_only(leaves) else \
-        [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    tensors = tensors_of(leaves)
     if all(device_of(d) == device for d in set(map(_DEVICE, tensors))):
         return
     paths, leaves, _ = optree.tree_flatten_with_path(tree)

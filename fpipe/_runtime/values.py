@@ -17,7 +17,8 @@ import torch
 from fpipe._runtime.trees import tree_flatten
 from fpipe.errors import StageError
 
-__all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "placed",
+__all__ = ["Value", "flatten", "differentiable", "frozen", "param_leaves", "placed", "tensors_only",
+           "tensors_of",
            "trainable", "check_output", "describe"]
 
 
@@ -58,6 +59,19 @@ def param_leaves(tree: Any, training: bool = False) -> list:
     return [(leaf.detach().requires_grad_() if training else leaf.detach())
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
             for leaf in leaves]
+
+
+def tensors_only(leaves: list) -> bool:
+    """Whether every leaf is a tensor: one look per type, not per leaf (a face checks the
+    hundreds of leaves of its parameters, and a stateful stage those of its state, at every
+    call)."""
+    return all(issubclass(kind, torch.Tensor) for kind in set(map(type, leaves)))
+
+
+def tensors_of(leaves: list) -> list:
+    """The tensors among ``leaves``: ``leaves`` itself where every one is (:func:`tensors_only`)."""
+    return leaves if tensors_only(leaves) else \
+        [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def placed(base: list, index: tuple[int, ...] | None, leaves: list) -> list:

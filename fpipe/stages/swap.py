@@ -67,7 +67,7 @@ class Swap:
             given = list(map(tensors.__getitem__, names))
         except KeyError:  # a name replaced by another, or missing: functional_call's error
             return functional_call(self.module, dict(tensors), args, strict=True)
-        result = self._run(given, args)
+        result = self.call(given, args)
         if result is None:  # a slot's name is gone from its table: functional_call's checks
             return functional_call(self.module, dict(tensors), args, strict=True)
         y, now = result
@@ -91,13 +91,11 @@ class Swap:
         return [*params.values(), *buffers.values()]
 
     def call(self, given: list, args: tuple) -> tuple[Any, list | None] | None:
-        """The module called on ``given`` (what :meth:`ordered` returned, just now):
-        ``(output, buffers)``, ``buffers`` the tensors in the buffer slots after the call
-        where the module reassigned one (``None`` where none was), in slot order. ``None``
-        where a slot's name is gone from its table (the module is then left untouched)."""
-        return self._run(given, args)
-
-    def _run(self, given: list, args: tuple) -> tuple[Any, list | None] | None:
+        """The module called on ``given`` (every slot's tensor, in slot order: what
+        :meth:`ordered` returned): ``(output, buffers)``, ``buffers`` the tensors in the buffer
+        slots after the call where the module reassigned one (``None`` where none was), in
+        slot order. ``None`` where a slot's name is gone from its table (the module is then
+        left untouched)."""
         originals = self._slot_values()
         if originals is None:
             return None
