@@ -644,7 +644,22 @@ MUTANTS = (
            "            _give_back(extra, kept)  # type: ignore[arg-type]\n            raise",
            "            raise",
            ("tests/test_training_state.py",)),
-
+    # -- what a backward reaches, functorch's thread state (issue 37, seventh round) ------------
+    Mutant("the transform check peeks at functorch's stack outside a transform",
+           "_runtime/engine.py",
+           "interpreter = _peek_interpreter() if _transforms_active() else None",
+           "interpreter = _peek_interpreter()", ("tests/test_backward_scope.py",)),
+    Mutant("a graph reaching a leaf left out found closed", "_runtime/given.py",
+           "            if id(node.variable) not in mine:\n                return False",
+           "            if id(node.variable) not in mine:\n                continue",
+           ("tests/test_backward_scope.py",)),
+    Mutant("an undifferentiated input with history left out of the check", "_runtime/autodiff.py",
+           "                if i not in where and getattr(leaf, \"requires_grad\", False):",
+           "                if False:", ("tests/test_backward_scope.py",)),
+    Mutant("a closed graph's backward names its leaves all the same", "_runtime/vjp.py",
+           "run_backward(outs_, cotangents_, () if closed else diff, accumulate=True)",
+           "run_backward(outs_, cotangents_, diff, accumulate=True)",
+           ("tests/test_backward_scope.py",)),
 )
 
 

@@ -15,7 +15,7 @@ import optree
 import torch
 
 from fpipe._runtime.adapters import Core, MicroBatch
-from fpipe._runtime.given import check_given
+from fpipe._runtime.given import check_given, closed_over
 from fpipe._runtime.reentrant import check_no_reentrant_checkpoint
 from fpipe._runtime.split_backward import split_vjp
 from fpipe._runtime.values import (
@@ -64,6 +64,9 @@ class StageCall:
         # The input signatures whose graph was searched for tensors the stage was not given
         # (see fpipe._runtime.given); ``name_of`` names such a tensor where the stage can.
         self.checked: set[tuple] = set()
+        # The input signatures whose graph ends in the call's own leaves (see given.py's
+        # closed_over): their accumulating backwards leave the leaves unnamed (vjp.py).
+        self.closed: set[tuple] = set()
         self.name_of = name_of
 
     def forward(self, params: list, inputs: tuple[Value, ...], state: Any,
@@ -135,6 +138,7 @@ class StageCall:
 
         # Autograd itself refuses writes into the differentiated leaves: watch the others.
         watch = _Watch(self, params, _watched(state), inputs, index)
+        signature = _signature(inputs)
         try:
             x = inputs[0]
             differentiated = x.leaves if len(inputs) == 1 and len(index[0]) == len(x.leaves) \
@@ -143,7 +147,9 @@ class StageCall:
             if split:
                 primals, vjp_fn, aux = split_vjp(flat, diff_params, differentiated, has_aux=True)
             elif accumulate is not None:
-                primals, vjp_fn, aux = autograd_vjp(flat, diff_params, differentiated, accumulate)
+                primals, vjp_fn, aux = autograd_vjp(
+                    flat, diff_params, differentiated, accumulate,
+                    closed=signature in self.closed and _no_history(inputs, index))
             else:
                 primals, vjp_fn, aux = self.engine(flat, diff_params, differentiated)
         except RuntimeError as exc:
@@ -158,13 +164,16 @@ class StageCall:
         if not self.searched and (self.accumulates or split):  # once: see reentrant.py
             check_no_reentrant_checkpoint(out.leaves[i] for out in outs for i in out.grad_index)
             self.searched = True
-        signature = _signature(inputs)
         if signature not in self.checked:  # once per input signature: see given.py
-            check_given((*(leaf for out in outs for leaf in out.leaves), *primals),
+            outputs = [leaf for out in outs for leaf in out.leaves]
+            check_given((*outputs, *primals),
                         (*given, *params, *(leaf for value in inputs for leaf in value.leaves),
                          *(optree.tree_leaves(state) if state is not None else ())),
                         self.name_of)
             self.checked.add(signature)
+            if accumulate is not None and _no_history(inputs, index) and \
+                    closed_over(outputs, given):
+                self.closed.add(signature)
         for (k, i), leaf in zip(kept, aux):
             outs[k].leaves[i] = leaf
         new_state = None
@@ -204,6 +213,18 @@ def _signature(inputs: tuple[Value, ...]) -> tuple:
     reach other tensors) for another shape, so each is searched once."""
     return tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None
                  for value in inputs for leaf in value.leaves)
+
+
+def _no_history(inputs: tuple[Value, ...], index: list) -> bool:
+    """Whether no input leaf the call does not differentiate requires grad (one that does
+    would lead a backward into the caller's graph, or into a leaf of the caller's): checked
+    at every call, as a signature does not say it."""
+    for value, where in zip(inputs, index):
+        if len(where) < len(value.leaves):
+            for i, leaf in enumerate(value.leaves):
+                if i not in where and getattr(leaf, "requires_grad", False):
+                    return False
+    return True
 
 
 def _tensor_indices(leaves: list) -> range | list[int]:

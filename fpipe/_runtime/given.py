@@ -22,7 +22,7 @@ import torch
 
 from fpipe.errors import StageError
 
-__all__ = ["ungiven_leaves", "check_given"]
+__all__ = ["ungiven_leaves", "check_given", "closed_over"]
 
 _LEAF = "AccumulateGrad"  # the node autograd puts after a leaf that requires grad
 
@@ -49,6 +49,27 @@ def ungiven_leaves(outputs: Iterable, given: Iterable) -> list[torch.Tensor]:
         stack.extend(next_node for next_node, _ in node.next_functions
                      if next_node is not None and id(next_node) not in seen)
     return found
+
+
+def closed_over(outputs: Iterable, leaves: Iterable) -> bool:
+    """Whether the graph behind ``outputs`` ends in ``leaves`` alone: every leaf requiring grad
+    it reaches is one of them, and it enters no graph recorded before the call (a tensor given
+    with a history of its own leads to that history's leaves). A backward from such outputs
+    may then leave its leaves unnamed (see :func:`fpipe._runtime.vjp.autograd_vjp`)."""
+    mine = {id(t) for t in leaves}
+    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == _LEAF:
+            if id(node.variable) not in mine:
+                return False
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return True
 
 
 def check_given(outputs: Iterable, given: Iterable,

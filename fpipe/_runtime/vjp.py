@@ -183,9 +183,15 @@ class _inference_mode_off:
 
 
 def autograd_vjp(fn: Callable, params: list, inputs: list,
-                 accumulate: list | None = None) -> tuple:
+                 accumulate: list | None = None, closed: bool = False) -> tuple:
     """The vjp through ``torch.autograd``; with ``accumulate`` (leaves that require grad, in
-    place of ``params``), parameter gradients are added into their ``.grad``."""
+    place of ``params``), parameter gradients are added into their ``.grad``.
+
+    ``closed`` (with ``accumulate``): the caller knows the graph ends in ``accumulate`` and the
+    inputs alone (:func:`fpipe._runtime.given.closed_over`), so the backward adds into every
+    leaf it reaches without naming them: named, autograd first walks the whole graph to mark
+    what leads to them (its ``exec_info``), a hash map entry and allocations per node, every
+    backward (16.7 M of 2,474 M instructions a step of benchmarks/instructions.py's model)."""
     params = accumulate if accumulate is not None else \
         [p.detach().requires_grad_() for p in params]
     inputs = [x.detach().requires_grad_() for x in inputs]
@@ -209,7 +215,7 @@ def autograd_vjp(fn: Callable, params: list, inputs: list,
             return None if accumulate is not None else param_grads, input_grads
         if accumulate is None:
             return _split_grads(run_backward(outs_, cotangents_, diff), params, inputs)
-        run_backward(outs_, cotangents_, diff, accumulate=True)
+        run_backward(outs_, cotangents_, () if closed else diff, accumulate=True)
         grads = []
         for x in inputs:
             grad = x.grad
