@@ -123,7 +123,7 @@ class StageCall:
             given.extend((*param_leaves, *grad_leaves))
             state_leaves, state_spec, state_kept = [], None, []  # a stateless stage's
             if new_state is not None:
-                state_leaves, state_spec = optree.tree_flatten(new_state)
+                state_leaves, state_spec = _flat_state(new_state)
                 # Tensors that carry no gradient leave the transform as aux, which unwraps them.
                 state_kept = _tensor_indices(state_leaves)
             outs = self._outputs(results, mb.size)
@@ -183,7 +183,8 @@ class StageCall:
             else:
                 for i, leaf in zip(state_kept, aux[len(kept):]):
                     state_leaves[i] = leaf
-            new_state = optree.tree_unflatten(state_spec, state_leaves)
+            new_state = dict(zip(state_spec, state_leaves)) if type(state_spec) is tuple \
+                else optree.tree_unflatten(state_spec, state_leaves)
         k = 0
         for out in outs:
             for i in out.grad_index:
@@ -213,6 +214,17 @@ def _signature(inputs: tuple[Value, ...]) -> tuple:
     reach other tensors) for another shape, so each is searched once."""
     return tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None
                  for value in inputs for leaf in value.leaves)
+
+
+def _flat_state(state: Any) -> tuple[list, Any]:
+    """A new state's leaves and what rebuilds it: a flat dict of tensors (a module stage's
+    buffers, hundreds a call in a model of many BatchNorms) by its keys, in its own order
+    (``dict(zip(keys, leaves))``: no sort, no spec); anything else by optree."""
+    if type(state) is dict:
+        leaves = list(state.values())
+        if tensors_only(leaves):
+            return leaves, tuple(state)
+    return optree.tree_flatten(state)
 
 
 def _no_history(inputs: tuple[Value, ...], index: list) -> bool:

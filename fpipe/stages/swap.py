@@ -52,6 +52,7 @@ class Swap:
         self._empty: tuple = ((), ())  # the (tables, keys) registered as None: still None?
         self._order: tuple = ((), (), ())
         self._n_params = 0  # the slots are the parameters' (in order), then the buffers'
+        self._param_slots: tuple = ((), ())  # the parameters' (tables, keys)
         self._checked_in: int | None = None  # the run serial of the last check, if in a run
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], args: tuple,
@@ -100,16 +101,20 @@ class Swap:
         if originals is None:
             return None
         _, tables, keys = self._order
+        n = self._n_params
         # Each loop over every tensor runs in C (map): a model of 800 tensors is swapped in
-        # and out at every call of every micro-batch.
-        deque(map(setitem, tables, keys, given), maxlen=0)
+        # and out at every call of every micro-batch. Buffers given as the module's own (a
+        # stateful stage's running statistics, updated where they are) stay where they are.
+        own = all(map(is_, given[n:], originals[n:]))
+        swapped = self._param_slots if own else (tables, keys)
+        deque(map(setitem, *swapped, given), maxlen=0)
         try:
             y = self.module(*args)
         finally:
-            n = self._n_params
             now = list(map(getitem, tables[n:], keys[n:]))
-            deque(map(setitem, tables, keys, originals), maxlen=0)
-        return y, None if all(map(is_, now, given[n:])) else now
+            kept = all(map(is_, now, given[n:]))
+            deque(map(setitem, *(swapped if kept else (tables, keys)), originals), maxlen=0)
+        return y, None if kept else now
 
     def structure(self, serial: int | None = None) -> dict[str, tuple[dict, str]] | None:
         """Each tensor name's table and key, the module's structure checked first and read
@@ -213,5 +218,6 @@ class Swap:
             self._order = (tuple(name for name, _ in ordered),
                            tuple(table for _, (table, _) in ordered),
                            tuple(key for _, (_, key) in ordered))
-            self._n_params = sum(id(table) in params for table in self._order[1])
+            self._n_params = n = sum(id(table) in params for table in self._order[1])
+            self._param_slots = (self._order[1][:n], self._order[2][:n])
         return slots
