@@ -22,7 +22,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     # [bench]: without numpy, torch.distributed.pipelining's rows are marked not run.
     pytest.param("cpu_scaling.py", marks=pytest.mark.needs_extra),
     pytest.param("transformer_ranks.py", marks=pytest.mark.needs_extra),
-    pytest.param("rank_host.py", marks=pytest.mark.needs_extra)])
+    pytest.param("rank_host.py", marks=pytest.mark.needs_extra),
+    pytest.param("rank_instructions.py", marks=pytest.mark.needs_extra)])
 def test_quick_mode_writes_json(script, tmp_path):
     out = tmp_path / "result.json"
     run = patience.run([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(out)],
@@ -47,6 +48,11 @@ def test_quick_mode_writes_json(script, tmp_path):
         assert all(isinstance(row["host_us"], int) and row["actions"] > 0 for row in fpipe_rows)
         if importlib.util.find_spec("numpy"):
             assert {("torch Schedule1F1B", 0), ("torch Schedule1F1B", 1)} <= set(rows)
+    if script == "rank_instructions.py":  # both ranks of each library
+        rows = {(row["row"], row["rank"]) for row in result["rows"]}
+        names = ["fpipe.distributed one_f_one_b"] + \
+            (["torch Schedule1F1B"] if importlib.util.find_spec("numpy") else [])
+        assert rows == {(name, rank) for name in names for rank in (0, 1)}
     if script == "gpu.py":  # every model has the rows (and torchgpipe's, if installed)
         rows = {(row["model"], row["row"]) for row in result["rows"]}
         faces = {"plain whole batch", "plain micro-batch loop", "fpipe.GPipe"}
