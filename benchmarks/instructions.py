@@ -78,10 +78,16 @@ def counted(face: str, steps: int, units: int) -> tuple[int, Counter]:
                         f"--callgrind-out-file={out}", sys.executable, __file__, "--child", face,
                         "--steps", str(steps), "--units", str(units)],
                        check=True, capture_output=True, timeout=3600)
-        annotated = subprocess.run(["callgrind_annotate", "--threshold=100", out],
-                                   check=True, capture_output=True, text=True).stdout
+        total, libraries = annotated(out)
+    return total // steps, Counter({k: v // steps for k, v in libraries.items()})
+
+
+def annotated(out: str) -> tuple[int, Counter]:
+    """A callgrind output's instructions, in all and by shared object."""
+    text = subprocess.run(["callgrind_annotate", "--threshold=100", out],
+                          check=True, capture_output=True, text=True).stdout
     total, libraries = 0, Counter()
-    for line in annotated.splitlines():
+    for line in text.splitlines():
         match = re.match(r"\s*([\d,]+) \([ \d.]+%\)\s+(.*)", line)
         if not match:
             continue
@@ -91,7 +97,7 @@ def counted(face: str, steps: int, units: int) -> tuple[int, Counter]:
             continue
         library = re.search(r"\[([^\]]*)\]\s*$", match.group(2))
         libraries[_short(library.group(1)) if library else "other"] += n
-    return total // steps, Counter({k: v // steps for k, v in libraries.items()})
+    return total, libraries
 
 
 def _short(path: str) -> str:

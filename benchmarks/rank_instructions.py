@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import tempfile
 
 import torch
 from common import parser, report
-from instructions import _instrument
+from instructions import _instrument, annotated
 from residual import TORCH_PIPELINING_MISSING
 
 LIBRARIES = ("fpipe", "torch")
@@ -80,14 +79,7 @@ def run_ranks(library: str, batch: int, steps: int, port: int, valgrind: bool) -
                 raise RuntimeError(f"a {library} rank failed:\n{err[-3000:]}")
         if not valgrind:
             return [None, None]
-        return [_total(out) // steps for out in outs]
-
-
-def _total(out: str) -> int:
-    annotated = subprocess.run(["callgrind_annotate", "--threshold=100", out], check=True,
-                               capture_output=True, text=True).stdout
-    match = re.search(r"([\d,]+) \([ \d.]+%\)\s+PROGRAM TOTALS", annotated)
-    return int(match.group(1).replace(",", "")) if match else 0
+        return [annotated(out)[0] // steps for out in outs]
 
 
 def main() -> None:

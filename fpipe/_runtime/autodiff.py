@@ -183,8 +183,7 @@ class StageCall:
             else:
                 for i, leaf in zip(state_kept, aux[len(kept):]):
                     state_leaves[i] = leaf
-            new_state = dict(zip(state_spec, state_leaves)) if type(state_spec) is tuple \
-                else optree.tree_unflatten(state_spec, state_leaves)
+            new_state = _state_of(state_spec, state_leaves)
         k = 0
         for out in outs:
             for i in out.grad_index:
@@ -225,6 +224,11 @@ def _flat_state(state: Any) -> tuple[list, Any]:
         if tensors_only(leaves):
             return leaves, tuple(state)
     return optree.tree_flatten(state)
+
+
+def _state_of(spec: Any, leaves: list) -> Any:
+    """The state :func:`_flat_state` flattened, rebuilt from its (new) leaves."""
+    return dict(zip(spec, leaves)) if type(spec) is tuple else optree.tree_unflatten(spec, leaves)
 
 
 def _no_history(inputs: tuple[Value, ...], index: list) -> bool:

@@ -52,24 +52,13 @@ def ungiven_leaves(outputs: Iterable, given: Iterable) -> list[torch.Tensor]:
 
 
 def closed_over(outputs: Iterable, leaves: Iterable) -> bool:
-    """Whether the graph behind ``outputs`` ends in ``leaves`` alone: every leaf requiring grad
-    it reaches is one of them, and it enters no graph recorded before the call (a tensor given
-    with a history of its own leads to that history's leaves). A backward from such outputs
-    may then leave its leaves unnamed (see :func:`fpipe._runtime.vjp.autograd_vjp`)."""
-    mine = {id(t) for t in leaves}
-    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if type(node).__name__ == _LEAF:
-            if id(node.variable) not in mine:
-                return False
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-    return True
+    """Whether the graph behind ``outputs`` ends in ``leaves`` alone (the call's own, detached):
+    every leaf requiring grad it reaches is one of them, and it enters no graph recorded before
+    the call. A backward from such outputs may then leave its leaves unnamed
+    (see :func:`fpipe._runtime.vjp.autograd_vjp`). Leaves with a history of their own are never
+    closed over: :func:`ungiven_leaves` would stop at that history, where a backward goes on."""
+    leaves = [t for t in leaves if isinstance(t, torch.Tensor)]
+    return all(t.grad_fn is None for t in leaves) and not ungiven_leaves(outputs, leaves)
 
 
 def check_given(outputs: Iterable, given: Iterable,
